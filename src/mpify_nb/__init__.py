@@ -1,0 +1,63 @@
+"""mpify_nb: run PyTorch code on many processes straight from a Jupyter notebook.
+
+Spawn, execute, terminate: ``ranch(n, fn, *args)`` starts fresh ranks (the notebook
+itself is rank 0), runs ``fn`` on every rank, returns the results and leaves
+nothing running.
+
+Where things happen, by module:
+
+==============  ===============================================================
+launcher.py     ranch(): the call from start to teardown, the watch over ranks
+payload.py      packing the call and the results (dill, shared-memory tensors)
+placement.py    where a rank starts (the seam): template fork or fresh spawn
+template.py     the warm process ranks are forked from
+rank.py         what a rank does from birth to exit
+relay.py        where ranks' output is relayed into the cell
+errors.py       where errors come back: RankError and the remote traceback
+ddp.py          in_torchddp / TorchDDPCtx
+magics.py       %%ranch and friends (``%load_ext mpify_nb``)
+==============  ===============================================================
+"""
+
+from __future__ import annotations
+
+import os
+
+from .ddp import TorchDDPCtx, in_torchddp
+from .decorator import distributed
+from .errors import PayloadError, RankError, RankExitedError, RankRaisedError
+from .imports import import_star
+from .launcher import ranch
+from .placement import get_start_method, set_start_method
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ranch",
+    "in_torchddp",
+    "TorchDDPCtx",
+    "distributed",
+    "import_star",
+    "RankError",
+    "RankRaisedError",
+    "RankExitedError",
+    "PayloadError",
+    "set_start_method",
+    "get_start_method",
+]
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext mpify_nb``: register the %%ranch magics."""
+    from .magics import load_ipython_extension as load
+
+    load(ipython)
+
+
+# Start the template now, in the background, so the first call does not pay for
+# importing torch. Not in our own children (ranks and the template itself).
+if os.environ.get("MPIFY_NB_CHILD") != "1" and get_start_method() == "template" \
+        and os.environ.get("MPIFY_NB_PREWARM", "1") != "0":
+    from .template import prewarm as _prewarm
+
+    _prewarm()

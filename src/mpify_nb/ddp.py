@@ -1,0 +1,223 @@
+"""in_torchddp / TorchDDPCtx: a torch.distributed process group for the ranks of a call.
+
+Used three ways::
+
+    ranch(4, train, cfg, ctx=in_torchddp())   # the group is up around train() on every rank
+    in_torchddp(4, train, cfg)                # launcher form (mpify): returns rank 0's value
+    def train(cfg):
+        with in_torchddp():                   # inside a rank, or any process with RANK/WORLD_SIZE
+            ...
+
+Rendezvous: under ``ranch`` the TCPStore is hosted by a *spawned* rank
+(``MPIFY_NB_STORE_RANK``), never by the caller. If any rank dies before joining,
+the launcher kills the ranks, the store goes with them, and a caller blocked in
+``init_process_group`` gets an error at once instead of waiting 30 minutes.
+Outside ``ranch`` it is the usual ``env://`` rendezvous.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any, Callable, Optional, Sequence, Union
+
+GpuSpec = Union[str, Sequence[int], None]
+
+
+def _parse_gpus(gpus: GpuSpec) -> Optional[list[int]]:
+    if gpus is None:
+        return None
+    if isinstance(gpus, str):
+        parts = [p for p in gpus.replace(" ", "").split(",") if p]
+        try:
+            ids = [int(p) for p in parts]
+        except ValueError:
+            raise ValueError(f"gpus must list GPU ids like '3,1', not {gpus!r}") from None
+    elif isinstance(gpus, int):
+        ids = [gpus]
+    else:
+        ids = [int(g) for g in gpus]
+    if not ids:
+        raise ValueError("gpus is empty: give at least one GPU id, or leave it None")
+    if any(i < 0 for i in ids):
+        raise ValueError(f"GPU ids cannot be negative: {ids}")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"gpus lists a GPU twice ({ids}): each rank needs its own GPU")
+    return ids
+
+
+class TorchDDPCtx:
+    """Context manager that sets up a ``torch.distributed`` default process group on entry
+    and destroys it on exit, restoring the process's CUDA device and environment.
+
+    Args:
+        backend: ``"nccl"``, ``"gloo"``, ... Default: ``nccl`` when the rank has a GPU, else ``gloo``.
+        gpus: GPU ids by rank, e.g. ``"3,1"`` (rank 0 on GPU 3, rank 1 on GPU 1). Default: rank i
+            on GPU i when CUDA is available and the backend is not gloo-on-CPU. Ids are as torch
+            sees them in the caller (after its ``CUDA_VISIBLE_DEVICES``).
+        timeout: seconds for collectives (torch's default when None).
+    """
+
+    def __init__(self, backend: Optional[str] = None, gpus: GpuSpec = None, timeout: Optional[float] = None):
+        self.backend = backend
+        self.gpus = _parse_gpus(gpus)
+        self.timeout = timeout
+        self._saved: list[tuple[Optional[int], bool]] = []
+        self._store: Any = None
+
+    def __getstate__(self) -> dict:
+        return {"backend": self.backend, "gpus": self.gpus, "timeout": self.timeout}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+        self.backend, self.gpus, self.timeout = state["backend"], state["gpus"], state["timeout"]
+
+    def __repr__(self) -> str:
+        return f"TorchDDPCtx(backend={self.backend!r}, gpus={self.gpus!r}, timeout={self.timeout!r})"
+
+    # Called by ranch in the caller before any rank starts: bad options fail here, clearly.
+    def _mpify_prepare(self, nprocs: int, caller_rank: Optional[int]) -> None:
+        import torch
+
+        if self.gpus is not None and len(self.gpus) < nprocs:
+            raise ValueError(f"gpus={self.gpus} names {len(self.gpus)} GPUs for {nprocs} ranks: "
+                             "give one GPU id per rank")
+        wants_gpu = self.gpus is not None or self.backend == "nccl"
+        if not wants_gpu:
+            return
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise RuntimeError(f"in_torchddp(backend={self.backend!r}, gpus={self.gpus}) needs CUDA GPUs, "
+                               "and torch sees none here; use backend='gloo' to run on CPU")
+        ids = self.gpus if self.gpus is not None else list(range(nprocs))
+        bad = [i for i in ids[:nprocs] if i >= count]
+        if bad:
+            raise ValueError(f"GPU id(s) {bad} do not exist: torch sees {count} GPU(s) (ids 0..{count - 1})"
+                             + ("" if self.gpus is not None else f"; {nprocs} ranks need {nprocs} GPUs, "
+                                "pass gpus= to choose them or backend='gloo'"))
+
+    # Called by a rank of ranch after it loaded the call, before it reports ready: the rank
+    # that hosts the rendezvous store opens it now, so no one connects to a closed port
+    # (TCPStore clients that do back off for ~0.7 s).
+    def _mpify_rank_setup(self) -> None:
+        store_rank = os.environ.get("MPIFY_NB_STORE_RANK")
+        if store_rank is None or os.environ.get("RANK") != store_rank:
+            return
+        import torch.distributed as dist
+
+        self._store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+            is_master=True, wait_for_workers=False,
+        )
+
+    def device_for(self, local_rank: int) -> Optional[int]:
+        """The GPU id this rank uses, or None for CPU."""
+        import torch
+
+        if self.gpus is not None:
+            if local_rank >= len(self.gpus):
+                raise ValueError(f"gpus={self.gpus} has no GPU for local rank {local_rank}")
+            return self.gpus[local_rank]
+        if self.backend not in (None, "nccl"):
+            return None
+        if self.backend == "nccl" or torch.cuda.is_available():
+            return local_rank
+        return None
+
+    def __enter__(self) -> TorchDDPCtx:
+        import torch
+        import torch.distributed as dist
+
+        try:
+            rank = int(os.environ["RANK"])
+            world_size = int(os.environ["WORLD_SIZE"])
+        except (KeyError, ValueError):
+            raise RuntimeError("in_torchddp() needs RANK and WORLD_SIZE in the environment: use it inside "
+                               "ranch(...), or launch with torchrun") from None
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        if dist.is_initialized():
+            raise RuntimeError("a torch.distributed process group is already initialized in this process; "
+                               "in_torchddp() would replace it (destroy it first)")
+        device = self.device_for(local_rank)
+        previous = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        if device is not None:
+            torch.cuda.set_device(device)
+        self._saved.append((previous, device is not None))
+        backend = self.backend or ("nccl" if device is not None else "gloo")
+        kwargs: dict[str, Any] = {"backend": backend, "rank": rank, "world_size": world_size}
+        if self.timeout is not None:
+            kwargs["timeout"] = datetime.timedelta(seconds=self.timeout)
+        store_rank = os.environ.get("MPIFY_NB_STORE_RANK")
+        try:
+            if store_rank is not None:
+                store = getattr(self, "_store", None)
+                self._store = None
+                kwargs["store"] = store or dist.TCPStore(
+                    os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                    is_master=rank == int(store_rank), wait_for_workers=False,
+                )
+            else:
+                kwargs["init_method"] = "env://"
+            dist.init_process_group(**kwargs)
+        except BaseException:
+            self._restore_device()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch.distributed as dist
+
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        finally:
+            self._restore_device()
+
+    def _restore_device(self) -> None:
+        if not self._saved:
+            return
+        previous, changed = self._saved.pop()
+        if changed and previous is not None:
+            import torch
+
+            torch.cuda.set_device(previous)
+
+
+def in_torchddp(
+    nprocs: Optional[int] = None,
+    fn: Optional[Callable] = None,
+    *args: Any,
+    backend: Optional[str] = None,
+    gpus: GpuSpec = None,
+    **kwargs: Any,
+) -> Any:
+    """A DDP process group around your code.
+
+    ``in_torchddp()`` (no nprocs) returns a ``TorchDDPCtx`` context manager: pass it as
+    ``ranch(..., ctx=in_torchddp())``, or use ``with in_torchddp():`` inside a rank.
+
+    ``in_torchddp(nprocs, fn, *args, **kwargs)`` runs ``fn`` on ``nprocs`` ranks inside the
+    group and returns rank 0's value (mpify's launcher form). ``ranch`` options
+    (``caller_rank``, ``need``, ``imports``, ``timeout``) are accepted; other keywords go to ``fn``.
+
+    Example (a notebook cell)::
+
+        def train(epochs):
+            model = DDP(Net())
+            ...
+            return accuracy
+        in_torchddp(2, train, 5)     # -> rank 0's accuracy
+    """
+    if nprocs is None:
+        if fn is not None or args or kwargs:
+            raise TypeError("in_torchddp(): give nprocs and fn to launch, or nothing to get a context manager")
+        return TorchDDPCtx(backend=backend, gpus=gpus)
+    if fn is None:
+        raise TypeError("in_torchddp(nprocs, fn, ...): fn is missing")
+    from .launcher import ranch
+
+    if "ctx" in kwargs:
+        raise TypeError("in_torchddp(nprocs, fn, ...) makes its own ctx; use ranch(..., ctx=...) to pass one")
+    if "gather" in kwargs:
+        raise TypeError("in_torchddp(nprocs, fn, ...) returns rank 0's value; use ranch(..., gather=True) for all")
+    return ranch(nprocs, fn, *args, ctx=TorchDDPCtx(backend=backend, gpus=gpus), gather=True, **kwargs)[0]

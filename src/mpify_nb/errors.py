@@ -1,0 +1,195 @@
+"""Where errors come back: the exceptions a failed call raises, and the remote
+traceback that travels from a rank to the caller.
+
+Two ways a rank can fail, as in ``torch.multiprocessing.spawn``:
+
+* ``RankRaisedError``: the rank's code raised. It carries the remote traceback
+  (with the user's own source lines, filled in from the caller's linecache, where
+  notebook cells live) and, when it could be sent, the original exception as
+  ``__cause__``.
+* ``RankExitedError``: the rank's process ended without answering (killed by a
+  signal, segfault, OOM killer, ``os._exit``).
+
+Both derive from ``RankError`` (a ``RuntimeError``) and name the rank.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import signal
+import traceback
+from dataclasses import dataclass, field
+from typing import Optional
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+class RankError(RuntimeError):
+    """A rank of a ``ranch`` call failed.
+
+    Attributes:
+        rank: the rank that failed first (the root cause, not the ranks that
+            failed because a peer disappeared).
+        others: the other failures seen during the same call, as ``RankError``s.
+
+    In a notebook::
+
+        try:
+            ranch(2, train)
+        except RankError as e:
+            print(e.rank, e)
+    """
+
+    def __init__(self, rank: int, message: str):
+        super().__init__(message)
+        self.rank = rank
+        self.others: list[RankError] = []
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython calls this instead of printing the local traceback, which would
+        # only show library internals: the remote one is what the user needs.
+        return str(self).splitlines()
+
+
+class RankRaisedError(RankError):
+    """The function raised an exception on ``rank``.
+
+    ``exc_type`` is the remote exception's qualified type name, ``remote_traceback``
+    the formatted remote traceback; ``__cause__`` is the original exception when it
+    could be carried back.
+    """
+
+    def __init__(self, rank: int, exc_type: str, exc_message: str, remote_traceback: str):
+        self.exc_type = exc_type
+        self.exc_message = exc_message
+        self.remote_traceback = remote_traceback
+        head = f"rank {rank} raised {exc_type}: {exc_message}" if exc_message else f"rank {rank} raised {exc_type}"
+        super().__init__(rank, f"{head}\n\n--- traceback from rank {rank} ---\n{remote_traceback.rstrip()}")
+
+
+class RankExitedError(RankError):
+    """The process of ``rank`` ended without sending back a result.
+
+    ``exitcode`` is the exit status (``None`` when unknown), ``signal_name`` the
+    signal that killed it, if any.
+    """
+
+    def __init__(self, rank: int, exitcode: Optional[int], detail: str = ""):
+        self.exitcode = exitcode
+        self.signal_name: Optional[str] = None
+        if exitcode is not None and exitcode < 0:
+            try:
+                self.signal_name = signal.Signals(-exitcode).name
+            except ValueError:
+                self.signal_name = f"signal {-exitcode}"
+            how = f"was killed by {self.signal_name}"
+            if self.signal_name == "SIGKILL":
+                how += " (killed by hand, or by the kernel's out-of-memory killer)"
+            elif self.signal_name == "SIGSEGV":
+                how += " (a segmentation fault, usually in a C extension)"
+        elif exitcode is not None:
+            how = f"exited with code {exitcode} without returning a result"
+        else:
+            how = "ended without returning a result"
+        msg = f"rank {rank} {how}"
+        if detail:
+            msg += f": {detail}"
+        super().__init__(rank, msg)
+
+
+class PayloadError(TypeError):
+    """Something passed to ``ranch`` cannot be sent to the ranks (raised before any rank starts)."""
+
+
+# -- the remote traceback --------------------------------------------------------------
+
+@dataclass
+class RemoteFailure:
+    """What a rank sends back when its code raised: plain data, always picklable."""
+
+    exc_type: str
+    exc_message: str
+    frames: list[tuple[str, int, str, Optional[str]]]  # filename, lineno, function, source line
+    chain: str = ""  # formatted "During handling..." / "The above exception..." part
+    exception_blob: Optional[bytes] = field(default=None, repr=False)  # the pickled exception
+
+    @classmethod
+    def capture(cls, exc: BaseException, dumps) -> RemoteFailure:
+        te = traceback.TracebackException.from_exception(exc, capture_locals=False)
+        frames = [(f.filename, f.lineno or 0, f.name, f.line or None) for f in te.stack]
+        chain = ""
+        cause = te.__cause__ or (None if te.__suppress_context__ else te.__context__)
+        if cause is not None:
+            chain = "".join(cause.format()) + (
+                "\nThe above exception was the direct cause of the following exception:\n\n"
+                if te.__cause__ is not None
+                else "\nDuring handling of the above exception, another exception occurred:\n\n"
+            )
+        try:
+            blob = dumps(exc)
+        except Exception:
+            blob = None
+        return cls(_qualified_name(type(exc)), str(exc), frames, chain, blob)
+
+    def format(self) -> str:
+        """Format like Python does, with source lines taken from this process's linecache
+        when the rank had none (cells of a notebook exist only in the kernel's linecache)."""
+        lines = [self.chain, "Traceback (most recent call last):\n"]
+        for filename, lineno, name, line in _user_frames(self.frames):
+            if not line:
+                line = linecache.getline(filename, lineno).strip() or None
+            lines.append(f"  {_location(filename)}, line {lineno}, in {name}\n")
+            if line:
+                lines.append(f"    {line}\n")
+        tail = f"{self.exc_type}: {self.exc_message}" if self.exc_message else self.exc_type
+        lines.append(tail + "\n")
+        return "".join(lines)
+
+    def to_error(self, rank: int, loads) -> RankRaisedError:
+        err = RankRaisedError(rank, self.exc_type, self.exc_message, self.format())
+        if self.exception_blob is not None:
+            try:
+                original = loads(self.exception_blob)
+            except Exception:
+                original = None
+            if isinstance(original, BaseException):
+                err.__cause__ = original
+        return err
+
+
+def _qualified_name(tp: type) -> str:
+    module = getattr(tp, "__module__", "builtins")
+    if module in ("builtins", "__main__"):
+        return tp.__qualname__
+    return f"{module}.{tp.__qualname__}"
+
+
+def _user_frames(frames):
+    """Drop the library's own frames that lead into the user's code: the user never
+    called them, and they only push the interesting lines out of sight."""
+    start = 0
+    while start < len(frames) and _is_library_file(frames[start][0]):
+        start += 1
+    return frames[start:] if start < len(frames) else frames
+
+
+def _is_library_file(filename: str) -> bool:
+    return os.path.dirname(os.path.abspath(filename)) == _PACKAGE_DIR
+
+
+def _location(filename: str) -> str:
+    # ipykernel names cells /tmp/ipykernel_<pid>/<hash>.py; IPython shows them as "Cell In[n]".
+    try:
+        from IPython import get_ipython
+
+        ip = get_ipython()
+        if ip is not None and hasattr(ip, "compile"):
+            fmt = getattr(ip.compile, "format_code_name", None)
+            if fmt is not None:
+                named = fmt(filename)
+                if named:
+                    return f"{named[0]} {named[1]}"
+    except Exception:
+        pass
+    return f'File "{filename}"'

@@ -1,0 +1,547 @@
+"""ranch(): run a function on N ranks, the caller playing one of them. Spawn, execute, terminate.
+
+Data flow of one call::
+
+    caller (notebook process)                                   rank r (r != caller_rank)
+    ------------------------                                    ---------------------------
+    pack_call(fn, args, ctx)  ── PayloadError here, before any rank exists
+    placer.start(r) ─────────────────────────────────────────> born (forked from template, or spawned)
+    send setup + call ───────── socketpair ─────────────────> load call           (rank.py)
+    wait for every READY  <──────────────────────────────────  READY
+    send GO to all ─────────────────────────────────────────> (no rendezvous before every rank loaded)
+    [caller enters ctx, runs fn]       (watch thread)           enters ctx, runs fn
+                                        <─── VALUE / ERROR ───  sends its answer, exits
+                                        <─── pidfd readable ─── (or dies: signal, segfault, OOM)
+    relay thread  <────────────── stdout/stderr pipes ───────  print(...)          (relay.py)
+    gather values; kill stragglers; restore env/cwd/CUDA/torch.distributed
+
+The first failure wins: it is the root cause (the others usually fail because a
+peer vanished). The watch thread then kills every rank at once; a caller blocked
+in a gloo collective gets an error within ~2 s, a caller blocked in the
+rendezvous is freed at once (the TCPStore lives in a spawned rank, not in the
+caller), and a caller running Python code is interrupted with a signal. The call
+then raises the root cause.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import selectors
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from . import payload, placement, rank as rank_module, wire
+from .errors import PayloadError, RankError, RankExitedError, RemoteFailure
+from .relay import OutputRelay
+
+# Seconds a finished rank may take to exit after sending its value before it is killed.
+_EXIT_GRACE = 5.0
+
+
+def ranch(
+    nprocs: int,
+    fn: Callable,
+    *args: Any,
+    caller_rank: Optional[int] = 0,
+    gather: bool = True,
+    ctx: Any = None,
+    need: str = "",
+    imports: str = "",
+    timeout: Optional[float] = None,
+    **kwargs: Any,
+) -> Any:
+    """Run ``fn(*args, **kwargs)`` on ``nprocs`` ranks and return the results.
+
+    The calling process plays rank ``caller_rank`` itself (``None``: all ranks are
+    new processes). Every other rank is a fresh process started for this call and
+    gone when it returns. ``fn`` may be defined in the notebook, use its globals,
+    classes and imported modules, be a lambda or a closure.
+
+    Args:
+        nprocs: number of ranks (the world size).
+        fn: the function to run on every rank.
+        caller_rank: the rank this process plays, or None.
+        gather: True: return the list of every rank's return value, by rank.
+            False: return only the caller's own value (None if it plays no rank).
+        ctx: a context manager entered around ``fn`` on every rank, e.g. ``in_torchddp()``.
+        need: names of ``__main__`` globals to define on every rank (mpify compatibility).
+        imports: import statements to run in every rank's ``__main__`` first (mpify compatibility).
+        timeout: seconds for the whole call; past it every rank is stopped and
+            ``TimeoutError`` is raised.
+
+    In every rank ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+    ``MASTER_ADDR`` and ``MASTER_PORT`` (a free port, new for each call) are set.
+
+    Raises:
+        RankError: a rank raised (``RankRaisedError``, with its traceback) or died
+            (``RankExitedError``, with its exit code or signal).
+        PayloadError: ``fn``, an argument or ``ctx`` cannot be pickled (a TypeError).
+        TimeoutError, KeyboardInterrupt.
+
+    Example (a notebook cell)::
+
+        import torch
+        def square(x):
+            return torch.tensor(x) ** 2 + int(os.environ["RANK"])
+        ranch(3, square, 4)        # -> [tensor(16), tensor(17), tensor(18)]
+    """
+    _check_arguments(nprocs, fn, caller_rank, ctx, timeout)
+    prepare = getattr(ctx, "_mpify_prepare", None)
+    if prepare is not None:
+        prepare(nprocs, caller_rank)  # the ctx validates its options here, before anything starts
+    call = _Call(nprocs, caller_rank, timeout)
+    values = call.run(fn, args, kwargs, ctx, need, imports)
+    if gather:
+        return values
+    return None if caller_rank is None else values[caller_rank]
+
+
+def _check_arguments(nprocs, fn, caller_rank, ctx, timeout) -> None:
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs must be a positive integer, not {nprocs!r}")
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, not {type(fn).__name__}")
+    if caller_rank is not None and (
+        isinstance(caller_rank, bool) or not isinstance(caller_rank, int) or not 0 <= caller_rank < nprocs
+    ):
+        raise ValueError(f"caller_rank must be None or an integer in [0, {nprocs}), not {caller_rank!r}")
+    if ctx is not None and not (hasattr(ctx, "__enter__") and hasattr(ctx, "__exit__")):
+        raise TypeError(
+            f"ctx must be a context manager (with __enter__ and __exit__), not {type(ctx).__name__}; "
+            "did you pass in_torchddp instead of in_torchddp()?"
+        )
+    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"timeout must be a positive number of seconds or None, not {timeout!r}")
+
+
+class _Aborted(BaseException):
+    """Raised in the caller's own rank when another rank failed: stop and report that instead."""
+
+
+class _Rank:
+    """The caller's view of one spawned rank."""
+
+    def __init__(self, rank: int, channel: socket.socket, process: placement.RankProcess):
+        self.rank = rank
+        self.channel = channel
+        self.process = process
+        self.ready = False
+        self.channel_open = True
+        self.done = False  # sent its value or its error, or died
+        self.value: Any = None
+
+    def close(self) -> None:
+        self.channel.close()
+        self.process.close()
+
+
+class _Call:
+    def __init__(self, nprocs: int, caller_rank: Optional[int], timeout: Optional[float]):
+        self.nprocs = nprocs
+        self.caller_rank = caller_rank
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.timeout = timeout
+        self.ranks: dict[int, _Rank] = {}
+        self.failure: Optional[BaseException] = None
+        self.cond = threading.Condition()
+        self.selector = selectors.DefaultSelector()
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.selector.register(self.wake_r, selectors.EVENT_READ, ("wake", None))
+        self.interrupted = False  # the user pressed stop (SIGINT)
+        self.finished = False  # the caller's own rank is done; the watch may end
+        self.in_user_code = False
+        self.signals_sent = 0  # SIGINTs we sent ourselves to the main thread
+        self.abort_signal_pending = False
+        self.main_thread = threading.main_thread().ident
+        self.on_main_thread = threading.current_thread() is threading.main_thread()
+
+    # -- the whole call ------------------------------------------------------------------
+
+    def run(self, fn, args, kwargs, ctx, need, imports) -> list:
+        packed = payload.pack_call(fn, args, kwargs, ctx, need, imports)
+        state = _CallerState.snapshot()
+        relay = OutputRelay(sys.stdout, sys.stderr)
+        values: list = [None] * self.nprocs
+        watcher: Optional[threading.Thread] = None
+        try:
+            env = self._world_env()
+            self._start_ranks(packed, env, relay)
+            relay.start()
+            self._watch(until=lambda: all(r.ready or r.done for r in self.ranks.values()))
+            self._raise_failure()
+            for handle in self.ranks.values():
+                try:
+                    wire.send(handle.channel, rank_module.GO)
+                except OSError:
+                    pass  # it just died; the watch reports how
+            if self.caller_rank is None:
+                self._watch(until=self._all_done)
+            else:
+                watcher = threading.Thread(target=self._watch, args=(self._all_done,),
+                                           name="mpify_nb-watch", daemon=True)
+                watcher.start()
+                values[self.caller_rank] = self._run_own_rank(fn, args, kwargs, ctx, env)
+                watcher.join()
+            self._raise_failure()
+            for r in self.ranks.values():
+                values[r.rank] = r.value
+            return values
+        except KeyboardInterrupt:
+            self.interrupted = True
+            raise
+        finally:
+            packed.close()
+            self.finished = True
+            self._stop_all()
+            if watcher is not None:
+                watcher.join()
+            self._reap()
+            relay.close()
+            self.selector.close()
+            os.close(self.wake_r)
+            os.close(self.wake_w)
+            state.restore()
+
+    def _world_env(self) -> dict:
+        store_rank = next((r for r in range(self.nprocs) if r != self.caller_rank), 0)
+        env = {
+            "WORLD_SIZE": str(self.nprocs),
+            "LOCAL_WORLD_SIZE": str(self.nprocs),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(_free_port()),
+            # The rendezvous store lives in a spawned rank: killing the ranks then
+            # frees a caller blocked in the rendezvous (see ddp.py).
+            "MPIFY_NB_STORE_RANK": str(store_rank),
+        }
+        # All ranks are on this machine: keep gloo/NCCL sockets on loopback.
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if name not in os.environ:
+                env[name] = "lo"
+        return env
+
+    # -- starting ranks ------------------------------------------------------------------
+
+    def _start_ranks(self, packed: payload.PackedCall, env: dict, relay: OutputRelay) -> None:
+        placer = placement.get_placer()
+        base = dict(os.environ)
+        base.update(env)
+        common = {"cwd": os.getcwd(), "sys_path": list(sys.path), "argv": list(sys.argv)}
+        for r in range(self.nprocs):
+            if r == self.caller_rank:
+                continue
+            ours, theirs = wire.socketpair()
+            out_w, err_w = relay.add(r)
+            try:
+                process = placer.start(r, theirs.fileno(), out_w, err_w)
+            except BaseException:
+                ours.close()
+                raise
+            finally:
+                theirs.close()
+                os.close(out_w)
+                os.close(err_w)
+            self.ranks[r] = _Rank(r, ours, process)
+            self.selector.register(ours, selectors.EVENT_READ, ("channel", r))
+            if process.death_fd is not None:
+                self.selector.register(process.death_fd, selectors.EVENT_READ, ("death", r))
+        for r, handle in self.ranks.items():
+            rank_env = dict(base, RANK=str(r), LOCAL_RANK=str(r))
+            setup = pickle.dumps(dict(common, rank=r, env=rank_env))
+            try:
+                wire.send(handle.channel, setup)
+                wire.send(handle.channel, packed.data, packed.fds)
+            except OSError:
+                pass  # it died at birth; the watch reports how
+
+    # -- watching ranks ------------------------------------------------------------------
+
+    def _all_done(self) -> bool:
+        return all(r.done for r in self.ranks.values()) and (self.caller_rank is None or self.finished)
+
+    def _watch(self, until: Callable[[], bool]) -> None:
+        """Handle rank events until ``until()`` holds or a failure was recorded."""
+        while not until() and self.failure is None and not self.interrupted:
+            wait = None
+            if self.deadline is not None:
+                wait = self.deadline - time.monotonic()
+                if wait <= 0:
+                    running = sorted(r.rank for r in self.ranks.values() if not r.done)
+                    if self.caller_rank is not None and not self.finished:
+                        running = sorted(running + [self.caller_rank])
+                    self._fail(TimeoutError(
+                        f"ranch: the call did not finish within {self.timeout:g} s "
+                        f"(ranks still running: {running}); every rank was stopped"))
+                    return
+            for key, _ in self.selector.select(wait):
+                kind, r = key.data
+                if kind == "wake":
+                    self._on_wake()
+                elif kind == "channel":
+                    self._on_message(self.ranks[r])
+                elif kind == "death":
+                    self._on_death(self.ranks[r])
+
+    def _on_wake(self) -> None:
+        try:
+            data = os.read(self.wake_r, 4096)
+        except BlockingIOError:
+            return
+        for signum in data:
+            if signum == signal.SIGINT:
+                if self.signals_sent:
+                    self.signals_sent -= 1
+                else:  # the user interrupted: stop every rank so the main thread can return
+                    self.interrupted = True
+                    self._kill_all()
+
+    def _on_message(self, handle: _Rank) -> None:
+        try:
+            message = wire.recv(handle.channel)
+        except (OSError, EOFError):
+            message = None
+        if message is None:
+            handle.channel_open = False
+            self.selector.unregister(handle.channel)
+            if not handle.done:
+                self._on_death(handle)
+            return
+        data, fds = message
+        kind, body = data[:1], data[1:]
+        if kind == rank_module.READY:
+            handle.ready = True
+        elif kind == rank_module.VALUE:
+            handle.done = True
+            try:
+                handle.value = payload.unpack_result(body, fds)
+            except Exception as e:
+                self._fail(RankError(handle.rank, f"the value returned by rank {handle.rank} could not be "
+                                                  f"unpickled here: {type(e).__name__}: {e}"))
+        elif kind == rank_module.ERROR:
+            handle.done = True
+            payload.close_fds(fds)
+            failure: RemoteFailure = pickle.loads(body)
+            self._fail(failure.to_error(handle.rank, payload.loads))
+
+    def _on_death(self, handle: _Rank) -> None:
+        if handle.process.death_fd is not None:
+            try:
+                self.selector.unregister(handle.process.death_fd)
+            except (KeyError, ValueError):
+                pass
+        # It may have answered just before dying: read what it sent first.
+        handle.channel.settimeout(1.0)
+        while not handle.done and handle.channel_open:
+            if not select.select([handle.channel], [], [], 0)[0]:
+                break
+            self._on_message(handle)
+        if handle.done:
+            return
+        handle.done = True
+        self._fail(RankExitedError(handle.rank, handle.process.exit_code(timeout=2.0)))
+
+    def _fail(self, error: BaseException) -> None:
+        with self.cond:
+            if self.failure is None:
+                self.failure = error
+            elif isinstance(self.failure, RankError) and isinstance(error, RankError):
+                self.failure.others.append(error)
+                return
+            else:
+                return
+            self.cond.notify_all()
+        self._kill_all()
+        self._interrupt_own_rank()
+
+    def _kill_all(self) -> None:
+        for handle in self.ranks.values():
+            handle.process.kill()
+
+    def _interrupt_own_rank(self) -> None:
+        """Make the main thread, if it is running the caller's rank, stop and report."""
+        if not self.on_main_thread:
+            return
+        with self.cond:
+            if not self.in_user_code:
+                return
+            self.abort_signal_pending = True
+            self.signals_sent += 1
+        signal.pthread_kill(self.main_thread, signal.SIGINT)
+
+    # -- the caller's own rank -----------------------------------------------------------
+
+    def _run_own_rank(self, fn, args, kwargs, ctx, env) -> Any:
+        rank = self.caller_rank
+        os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
+        restore_signals = self._take_sigint() if self.on_main_thread else None
+        try:
+            try:
+                with self.cond:
+                    self.in_user_code = True
+                if ctx is None:
+                    return fn(*args, **kwargs)
+                with ctx:
+                    return fn(*args, **kwargs)
+            finally:
+                with self.cond:
+                    self.in_user_code = False
+        except _Aborted:
+            self._raise_failure()
+            raise
+        except KeyboardInterrupt:
+            if self.failure is not None and not self.interrupted:
+                self._raise_failure()
+            self.interrupted = True
+            raise
+        except BaseException as e:
+            # Did a peer fail first (and this is the echo, e.g. "Connection closed by peer")?
+            if self.failure is None and self._some_rank_died():
+                with self.cond:
+                    self.cond.wait_for(lambda: self.failure is not None, timeout=2.0)
+            if self.failure is not None:
+                self._raise_failure()
+            failure = RemoteFailure.capture(e, lambda exc: None).to_error(rank, payload.loads)
+            failure.__cause__ = e
+            self._fail(failure)
+            raise failure from e
+        finally:
+            self.finished = True
+            self._wake()
+            if restore_signals is not None:
+                restore_signals()
+
+    def _some_rank_died(self) -> bool:
+        fds = [r.process.death_fd for r in self.ranks.values() if r.process.death_fd is not None]
+        if not fds:
+            return False
+        sel = selectors.DefaultSelector()
+        try:
+            for fd in fds:
+                sel.register(fd, selectors.EVENT_READ)
+            return bool(sel.select(0))
+        finally:
+            sel.close()
+
+    def _take_sigint(self) -> Callable[[], None]:
+        """Route SIGINT through us while the caller's rank runs: the watch thread learns of
+        it at once through the wakeup fd, even when the main thread is stuck in C++."""
+
+        def on_sigint(signum, frame):
+            with self.cond:
+                ours = self.abort_signal_pending
+                self.abort_signal_pending = False
+                inside = self.in_user_code
+            if ours:
+                if inside:
+                    raise _Aborted()
+                return
+            raise KeyboardInterrupt
+
+        old_handler = signal.signal(signal.SIGINT, on_sigint)
+        old_wakeup = signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
+
+        def restore() -> None:
+            signal.set_wakeup_fd(old_wakeup, warn_on_full_buffer=False)
+            signal.signal(signal.SIGINT, old_handler)
+
+        return restore
+
+    def _wake(self) -> None:
+        try:
+            os.write(self.wake_w, b"\0")
+        except (BlockingIOError, OSError):
+            pass
+
+    # -- ending --------------------------------------------------------------------------
+
+    def _raise_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+        if self.interrupted:
+            raise KeyboardInterrupt
+
+    def _stop_all(self) -> None:
+        """Finished ranks get a moment to exit on their own; everything else is killed now."""
+        failed = self.failure is not None or self.interrupted
+        deadline = time.monotonic() + (0 if failed else _EXIT_GRACE)
+        for handle in self.ranks.values():
+            if failed or not handle.done:
+                handle.process.kill()
+            else:
+                remaining = max(0.0, deadline - time.monotonic())
+                if handle.process.exit_code(remaining) is None:
+                    handle.process.kill()
+
+    def _reap(self) -> None:
+        for handle in self.ranks.values():
+            handle.process.exit_code(timeout=5.0)
+            handle.close()
+
+
+class _CallerState:
+    """What a call may change in the calling process, and puts back."""
+
+    @classmethod
+    def snapshot(cls) -> _CallerState:
+        self = cls()
+        self.environ = dict(os.environ)
+        try:
+            self.cwd: Optional[str] = os.getcwd()
+        except OSError:
+            self.cwd = None
+        torch = sys.modules.get("torch")
+        self.cuda_device = None
+        self.dist_was_up = False
+        if torch is not None:
+            try:
+                if torch.cuda.is_initialized():
+                    self.cuda_device = torch.cuda.current_device()
+            except Exception:
+                pass
+            try:
+                self.dist_was_up = torch.distributed.is_available() and torch.distributed.is_initialized()
+            except Exception:
+                pass
+        return self
+
+    def restore(self) -> None:
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            try:
+                dist = torch.distributed
+                if not self.dist_was_up and dist.is_available() and dist.is_initialized():
+                    dist.destroy_process_group()  # the function left its group up
+            except Exception:
+                pass
+            if self.cuda_device is not None:
+                try:
+                    torch.cuda.set_device(self.cuda_device)
+                except Exception:
+                    pass
+        if os.environ != self.environ:
+            for key in [k for k in os.environ if k not in self.environ]:
+                del os.environ[key]
+            for key, value in self.environ.items():
+                if os.environ.get(key) != value:
+                    os.environ[key] = value
+        if self.cwd is not None:
+            try:
+                if os.getcwd() != self.cwd:
+                    os.chdir(self.cwd)
+            except OSError:
+                os.chdir(self.cwd)
+
+
+def _free_port() -> int:
+    """A TCP port free on loopback now. Each call gets its own, so calls never collide."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+__all__ = ["ranch", "PayloadError", "RankError"]

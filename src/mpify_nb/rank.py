@@ -1,0 +1,186 @@
+"""Where a rank runs: the code a new rank process executes, from birth to exit.
+
+A rank is born (spawned fresh, or forked from the template) holding one end of a
+socketpair to its caller, with its stdout/stderr already pointing at pipes the
+caller relays. Then::
+
+    caller                                   rank
+      | -- setup (rank, env, cwd, sys.path) -->|  apply them, fresh __main__
+      | -- call (fn, args, ctx; memfds) ------>|  unpickle; run imports=
+      |                                        |  ctx._mpify_rank_setup() (e.g. open the TCPStore)
+      |<------------------------------ READY --|
+      | -- GO (once every rank is READY) ----->|  so no rank enters a rendezvous that a
+      |                                        |  rank which failed to load would never join
+      |                                        |  with ctx: value = fn(*args, **kwargs)
+      |<--------------- VALUE (pickle; memfds) |  or
+      |<--------------- ERROR (RemoteFailure) -|
+      |                                        |  flush, os._exit(0)
+
+A watchdog thread blocks on the channel: if the caller goes away (its end closes),
+the rank kills itself, so no rank outlives its caller.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import io
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import types
+
+from . import payload, wire
+from .errors import RemoteFailure
+
+READY = b"R"
+GO = b"G"
+VALUE = b"V"
+ERROR = b"E"
+
+
+def main(channel_fd: int, expected_parent: int) -> None:
+    """Run one rank to completion on the socket ``channel_fd``; never returns."""
+    _die_with_parent(expected_parent)
+    channel = socket.socket(fileno=channel_fd)
+    _line_buffered_stdio()
+    faulthandler.enable()  # a segfault prints the Python stack to stderr, which the caller relays
+    rank = "?"
+    try:
+        setup = wire.recv(channel)
+        if setup is None:
+            os._exit(1)  # the caller gave up before sending anything
+        config = pickle.loads(setup[0])
+        rank = config["rank"]
+        _apply(config)
+        message = wire.recv(channel)
+        if message is None:
+            os._exit(1)
+        fn, args, kwargs, ctx, needed, imports = payload.unpack_call(*message)
+        main_dict = sys.modules["__main__"].__dict__
+        main_dict.update(needed)
+        if imports:
+            exec(compile(imports, "<imports>", "exec"), main_dict)
+        setup_hook = getattr(ctx, "_mpify_rank_setup", None)
+        if setup_hook is not None:
+            setup_hook()
+    except BaseException as e:
+        _send_failure(channel, e, f"rank {rank} could not load the call")
+        _exit(0)
+    wire.send(channel, READY)
+    if wire.recv(channel) is None:  # no GO: the caller gave up (another rank failed to load)
+        _exit(0)
+    threading.Thread(target=_watch_caller, args=(channel,), name="mpify_nb-watchdog", daemon=True).start()
+    try:
+        if ctx is None:
+            value = fn(*args, **kwargs)
+        else:
+            with ctx:
+                value = fn(*args, **kwargs)
+    except BaseException as e:
+        _send_failure(channel, e)
+        _exit(0)
+    try:
+        data, fds = payload.pack_result(value)
+    except BaseException as e:
+        _send_failure(channel, e, f"the value returned by rank {rank} ({type(value).__name__}) cannot be pickled")
+        _exit(0)
+    _flush_stdio()  # everything printed reaches the caller before the value does
+    try:
+        wire.send(channel, VALUE + data, fds)
+    except OSError:
+        pass  # the caller is gone; nothing to report to
+    _exit(0)
+
+
+def _apply(config: dict) -> None:
+    os.environ.clear()
+    os.environ.update(config["env"])
+    try:
+        os.chdir(config["cwd"])
+    except OSError:
+        pass  # the caller's directory vanished; keep going where we are
+    sys.path[:] = config["sys_path"]
+    sys.argv[:] = config["argv"]
+    # A clean __main__ for this call: the caller's notebook globals that fn needs
+    # arrive with fn, and nothing from the template or an earlier call is visible.
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = __builtins__
+    sys.modules["__main__"] = main
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads and "torch" in sys.modules:
+        try:  # the template imported torch before this env existed
+            sys.modules["torch"].set_num_threads(int(threads))
+        except ValueError:
+            pass
+
+
+def _send_failure(channel, exc: BaseException, context: str = "") -> None:
+    if context:
+        try:
+            raise RuntimeError(f"{context}: {type(exc).__name__}: {exc}") from exc
+        except RuntimeError as wrapped:
+            exc = wrapped
+    failure = RemoteFailure.capture(exc, lambda e: payload.dumps(e)[0])
+    _flush_stdio()
+    try:
+        wire.send(channel, ERROR + pickle.dumps(failure))
+    except OSError:
+        pass
+
+
+def _watch_caller(channel: socket.socket) -> None:
+    try:
+        while channel.recv(4096):
+            pass
+    except OSError:
+        pass
+    # The caller closed its end: it is gone, or it gave up on this call.
+    _flush_stdio()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _die_with_parent(expected_parent: int) -> None:
+    """Ask Linux to SIGKILL us when our parent (caller or template) dies."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != expected_parent:  # it died before prctl took effect
+        os._exit(1)
+
+
+def _line_buffered_stdio() -> None:
+    # Each write goes straight to the pipe, so output is live and partial lines
+    # (print(..., end="")) are not held back until exit.
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        stream = io.TextIOWrapper(
+            io.FileIO(fd, "w", closefd=False),
+            encoding="utf-8",
+            errors="backslashreplace",
+            line_buffering=True,
+            write_through=True,
+        )
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+
+
+def _flush_stdio() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+
+
+def _exit(code: int) -> None:
+    _flush_stdio()
+    os._exit(code)
+
+
+if __name__ == "__main__":  # the spawn path: python -c "...main(fd, ppid)"
+    main(int(sys.argv[1]), int(sys.argv[2]))

@@ -1,0 +1,142 @@
+"""Where output is relayed: ranks' stdout/stderr, live, into the calling cell.
+
+Each rank's file descriptors 1 and 2 are pipes (so C extensions' output is
+caught too). One thread, the relay, reads them all and writes whole lines to the
+caller's own ``sys.stdout``/``sys.stderr``, each line prefixed with its rank::
+
+    [rank 1] epoch 0 loss 0.731
+
+A line ends at ``\\n`` or ``\\r`` (so progress bars redraw in place); a partial
+line is held until it is finished, or until the rank's pipe closes, so lines of
+different ranks never interleave mid-line. The pipes are always drained, so a
+rank can never block on a full pipe, and nothing is lost at exit.
+
+The thread runs in a copy of the caller's ``contextvars`` context: ipykernel
+uses one to route output to the cell that started the call.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import re
+import selectors
+import threading
+from typing import TextIO
+
+_CHUNK = 1 << 16
+_LINE = re.compile(r"[^\r\n]*(?:\r\n|\n|\r)")
+
+
+class OutputRelay:
+    def __init__(self, stdout: TextIO, stderr: TextIO):
+        self._targets = (stdout, stderr)
+        self._selector = selectors.DefaultSelector()
+        self._pending: dict[int, bytes] = {}
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._stopping = False
+        self._thread = threading.Thread(
+            target=contextvars.copy_context().run, args=(self._run,), name="mpify_nb-relay", daemon=True
+        )
+        self._started = False
+
+    def add(self, rank: int) -> tuple[int, int]:
+        """Make the pipes for ``rank``; return their write ends (for the rank; close them after)."""
+        ends = []
+        for stream in (0, 1):
+            r, w = os.pipe2(os.O_CLOEXEC)
+            os.set_blocking(r, False)
+            with self._lock:
+                self._pending[r] = b""
+                self._selector.register(r, selectors.EVENT_READ, (rank, stream))
+            ends.append(w)
+        self._wake()
+        return ends[0], ends[1]
+
+    def start(self) -> None:
+        self._started = True
+        self._thread.start()
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Wait until every rank's pipes have closed (the ranks are gone), at most
+        ``timeout`` seconds, then write out what is left and stop."""
+        self._stopping = True
+        self._wake()
+        if self._started:
+            self._thread.join(timeout)
+        with self._lock:
+            for key in list(self._selector.get_map().values()):
+                if key.data is not None:
+                    self._read(key.fd, key.data)  # whatever is there now
+                    self._finish(key.fd, key.data)
+            self._stopping = True
+        if self._thread.is_alive():
+            self._thread.join()
+        self._selector.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                watched = [k for k in self._selector.get_map().values() if k.data is not None]
+                if self._stopping and not watched:
+                    return
+            events = self._selector.select(timeout=0.2 if self._stopping else None)
+            with self._lock:
+                for key, _ in events:
+                    if key.data is None:
+                        try:
+                            os.read(self._wake_r, 4096)
+                        except BlockingIOError:
+                            pass
+                    elif key.fd in self._pending and not self._read(key.fd, key.data):
+                        self._finish(key.fd, key.data)
+            # Once asked to stop, leave after the join timeout even if a grandchild holds a pipe.
+
+    def _read(self, fd: int, where: tuple[int, int]) -> bool:
+        """Read what is available; False at end of file."""
+        while True:
+            try:
+                chunk = os.read(fd, _CHUNK)
+            except BlockingIOError:
+                return True
+            except OSError:
+                return False
+            if not chunk:
+                return False
+            self._emit(fd, where, chunk)
+
+    def _emit(self, fd: int, where: tuple[int, int], chunk: bytes) -> None:
+        buf = self._pending[fd] + chunk
+        cut = max(buf.rfind(b"\n"), buf.rfind(b"\r")) + 1
+        self._pending[fd] = buf[cut:]
+        if cut:
+            self._write(where, buf[:cut])
+
+    def _finish(self, fd: int, where: tuple[int, int]) -> None:
+        rest = self._pending.pop(fd, b"")
+        if rest:
+            self._write(where, rest + b"\n")
+        self._selector.unregister(fd)
+        os.close(fd)
+
+    def _write(self, where: tuple[int, int], data: bytes) -> None:
+        rank, stream = where
+        prefix = f"[rank {rank}] "
+        text = data.decode("utf-8", errors="replace")
+        lines = _LINE.findall(text)
+        target = self._targets[stream]
+        try:
+            target.write("".join(prefix + line for line in lines))
+            target.flush()
+        except Exception:
+            pass  # a closed or broken caller stream must not kill the relay (ranks would block)

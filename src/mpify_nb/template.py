@@ -1,0 +1,289 @@
+"""The template: a warm, never-used process that ranks are forked from.
+
+A fresh interpreter that imports torch costs ~1.6 s; a fork of one that already
+did costs ~15 ms. The template is that already-warm interpreter. It is started
+with spawn semantics (a new ``python``), imports torch and this library, and then
+does nothing but fork ranks on request. It never touches CUDA, never runs user
+code and never starts threads, so a fork of it is as clean as a spawn: the
+notebook may have initialized CUDA, and nothing of one call leaks into the next.
+
+::
+
+    caller (TemplateClient)                  template (serve)                 rank
+      | -- FORK id + fds [channel, out, err] -->|
+      |                                         | os.fork() --------------------> dup2 out/err to 1/2
+      |<------------------- FORKED id, pid -----|                                rank.main(channel)
+      |                                         | SIGCHLD: waitpid
+      |<---------------- EXITED pid, status ----|
+      |  (control socket closes: caller died)   | SIGKILL every rank it forked, exit
+
+The caller's environment, working directory and sys.path are applied by the rank
+itself from the call's setup message, so they are those of each call. The
+template is restarted when it died or when a variable that matters at import
+time (PYTHONPATH, LD_PRELOAD, thread counts...) changed since it started.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from typing import Optional
+
+from . import wire
+
+_FORK, _FORKED, _EXITED, _READY = "fork", "forked", "exited", "ready"
+
+#: Environment variables read when torch & co are imported: a change means a new template.
+IMPORT_TIME_ENV = (
+    "PYTHONPATH", "PYTHONHOME", "LD_LIBRARY_PATH", "LD_PRELOAD", "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TORCH_HOME", "VIRTUAL_ENV",
+)
+
+PRELOAD = ("torch", "torch.distributed", "numpy")
+
+
+# -- the template process -----------------------------------------------------------------
+
+def serve(control_fd: int) -> None:
+    """Main loop of the template process."""
+    import importlib
+
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except Exception:
+            pass
+    from . import rank  # noqa: F401  (imported now so each fork has it for free)
+
+    control = socket.socket(fileno=control_fd)
+    child_r, child_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.set_wakeup_fd(child_w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler is needed for the wakeup fd to fire
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the caller decides when ranks stop
+
+    children: set[int] = set()
+    wire.send(control, pickle.dumps((_READY, os.getpid())))
+    selector = selectors.DefaultSelector()
+    selector.register(control, selectors.EVENT_READ, "control")
+    selector.register(child_r, selectors.EVENT_READ, "child")
+    while True:
+        for key, _ in selector.select():
+            if key.data == "child":
+                try:
+                    os.read(child_r, 4096)
+                except BlockingIOError:
+                    pass
+                _reap(control, children)
+                continue
+            try:
+                message = wire.recv(control)
+            except (OSError, EOFError):
+                message = None
+            if message is None:  # the caller is gone: so are its ranks
+                for pid in children:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                os._exit(0)
+            data, fds = message
+            kind, request_id = pickle.loads(data)
+            pid = os.fork()
+            if pid == 0:
+                _become_rank(fds, control, child_r, child_w)
+            for fd in fds:
+                os.close(fd)
+            children.add(pid)
+            wire.send(control, pickle.dumps((_FORKED, request_id, pid)))
+
+
+def _reap(control: socket.socket, children: set[int]) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        children.discard(pid)
+        wire.send(control, pickle.dumps((_EXITED, pid, os.waitstatus_to_exitcode(status))))
+
+
+def _become_rank(fds: list[int], control, child_r: int, child_w: int) -> None:
+    try:
+        parent = os.getppid()
+        control.close()
+        signal.set_wakeup_fd(-1)
+        os.close(child_r)
+        os.close(child_w)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        channel, out, err = fds
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        os.close(out)
+        os.close(err)
+        from .rank import main
+
+        main(channel, parent)
+    finally:
+        os._exit(1)
+
+
+# -- the caller's handle on it ------------------------------------------------------------
+
+class TemplateDied(RuntimeError):
+    pass
+
+
+class TemplateClient:
+    """Starts a template process and asks it for ranks. Thread-safe."""
+
+    def __init__(self) -> None:
+        ours, theirs = wire.socketpair()
+        self.env_signature = _env_signature()
+        self._control = ours
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from mpify_nb.template import serve; serve(int(sys.argv[1]))",
+             str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            env=bootstrap_env(),
+            start_new_session=True,  # a kernel interrupt (SIGINT to its process group) must not reach it
+        )
+        theirs.close()
+        self.pid = self._proc.pid
+        self._send_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._ready = False
+        self._dead = False
+        self._next_id = 0
+        self._forked: dict[int, int] = {}
+        self._exited: dict[int, int] = {}
+        self._reader = threading.Thread(target=self._read_replies, name="mpify_nb-template-reader", daemon=True)
+        self._reader.start()
+
+    def alive(self) -> bool:
+        return not self._dead and self._proc.poll() is None
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._ready or self._dead, timeout):
+                raise TemplateDied(f"the template process (pid {self.pid}) did not start within {timeout:.0f} s")
+            if self._dead:
+                raise TemplateDied(f"the template process (pid {self.pid}) died while starting")
+
+    def fork(self, fds: list[int], timeout: float = 30.0) -> int:
+        """Fork a rank holding ``fds`` = [channel, stdout, stderr]; return its pid."""
+        self.wait_ready()
+        with self._cond:
+            request_id = self._next_id
+            self._next_id += 1
+        try:
+            with self._send_lock:
+                wire.send(self._control, pickle.dumps((_FORK, request_id)), fds)
+        except OSError as e:
+            raise TemplateDied(f"the template process (pid {self.pid}) is gone: {e}") from None
+        with self._cond:
+            self._cond.wait_for(lambda: request_id in self._forked or self._dead, timeout)
+            if request_id not in self._forked:
+                raise TemplateDied(f"the template process (pid {self.pid}) did not fork a rank")
+            return self._forked.pop(request_id)
+
+    def exit_code(self, pid: int, timeout: float) -> Optional[int]:
+        """The exit code of a rank it forked (negative: killed by that signal); None if unknown."""
+        with self._cond:
+            self._cond.wait_for(lambda: pid in self._exited or self._dead, timeout)
+            return self._exited.pop(pid, None)
+
+    def forget(self, pid: int) -> None:
+        with self._cond:
+            self._exited.pop(pid, None)
+
+    def close(self) -> None:
+        """Stop the template; the ranks it still has die with it."""
+        self._dead = True
+        try:
+            self._control.close()
+        except OSError:
+            pass
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._reader.join(timeout=5)
+
+    def _read_replies(self) -> None:
+        try:
+            while True:
+                message = wire.recv(self._control)
+                if message is None:
+                    break
+                reply = pickle.loads(message[0])
+                with self._cond:
+                    if reply[0] == _READY:
+                        self._ready = True
+                    elif reply[0] == _FORKED:
+                        self._forked[reply[1]] = reply[2]
+                    elif reply[0] == _EXITED:
+                        self._exited[reply[1]] = reply[2]
+                    self._cond.notify_all()
+        except (OSError, EOFError):
+            pass
+        with self._cond:
+            self._dead = True
+            self._cond.notify_all()
+        self._proc.poll()  # reap it if it exited
+
+
+_lock = threading.Lock()
+_client: Optional[TemplateClient] = None
+
+
+def get_template() -> TemplateClient:
+    """The current template, started (or restarted) as needed."""
+    global _client
+    with _lock:
+        if _client is not None and (not _client.alive() or _client.env_signature != _env_signature()):
+            _client.close()
+            _client = None
+        if _client is None:
+            _client = TemplateClient()
+        return _client
+
+
+def prewarm() -> None:
+    """Start the template now, in the background, so the first call does not wait for torch."""
+    try:
+        get_template()
+    except Exception:
+        pass  # the first call will try again and report what is wrong
+
+
+def shutdown() -> None:
+    global _client
+    with _lock:
+        if _client is not None:
+            _client.close()
+            _client = None
+
+
+def _env_signature() -> tuple:
+    return (sys.executable,) + tuple(os.environ.get(k) for k in IMPORT_TIME_ENV)
+
+
+def bootstrap_env() -> dict:
+    """The environment a new interpreter needs to import this very copy of mpify_nb."""
+    env = dict(os.environ)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = here + (os.pathsep + paths if paths else "")
+    env["MPIFY_NB_CHILD"] = "1"  # no template of its own
+    return env
