@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Any, Callable, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, Callable, Optional, Union
 
 GpuSpec = Union[str, Sequence[int], None]
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Iterable, Optional, Union
+from collections.abc import Iterable
+from typing import Optional, Union
 
 
 def import_star(modules: Union[str, Iterable[str]], ns: Optional[dict] = None) -> None:

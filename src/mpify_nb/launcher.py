@@ -36,7 +36,8 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from . import payload, placement, rank as rank_module, wire
+from . import payload, placement, wire
+from . import rank as rank_module
 from .errors import PayloadError, RankError, RankExitedError, RemoteFailure
 from .relay import OutputRelay
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import socket
 import struct
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 _HEADER = struct.Struct("!QI")
 _MAX_FDS = 253  # SCM_MAX_FD on Linux
