@@ -104,12 +104,7 @@ class TorchDDPCtx:
         store_rank = os.environ.get("MPIFY_NB_STORE_RANK")
         if store_rank is None or os.environ.get("RANK") != store_rank:
             return
-        import torch.distributed as dist
-
-        self._store = dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
-            is_master=True, wait_for_workers=False,
-        )
+        self._store = _make_store(is_master=True)
 
     def device_for(self, local_rank: int) -> Optional[int]:
         """The GPU id this rank uses, or None for CPU."""
@@ -153,10 +148,7 @@ class TorchDDPCtx:
             if store_rank is not None:
                 store = getattr(self, "_store", None)
                 self._store = None
-                kwargs["store"] = store or dist.TCPStore(
-                    os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                    is_master=rank == int(store_rank), wait_for_workers=False,
-                )
+                kwargs["store"] = store or _make_store(is_master=rank == int(store_rank))
             else:
                 kwargs["init_method"] = "env://"
             dist.init_process_group(**kwargs)
@@ -182,6 +174,31 @@ class TorchDDPCtx:
             import torch
 
             torch.cuda.set_device(previous)
+
+
+def _make_store(is_master: bool) -> Any:
+    """The rendezvous TCPStore of a ranch call. Its server listens on MASTER_ADDR only
+    (loopback under ranch): by default TCPStore would listen on every interface."""
+    import socket
+
+    import torch.distributed as dist
+
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    if not is_master:
+        return dist.TCPStore(addr, port, world_size, is_master=False)
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((addr, port))
+        listener.listen(world_size * 2)
+    except BaseException:
+        listener.close()
+        raise
+    # The store owns the listening socket from here on, and closes it.
+    return dist.TCPStore(addr, port, world_size, is_master=True, wait_for_workers=False,
+                         master_listen_fd=listener.detach())
 
 
 def in_torchddp(
