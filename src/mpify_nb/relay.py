@@ -21,16 +21,46 @@ import contextvars
 import os
 import re
 import selectors
+import sys
 import threading
 from typing import TextIO
 
 _CHUNK = 1 << 16
+_MID_LINE_WAIT = 0.5
 _LINE = re.compile(r"[^\r\n]*(?:\r\n|\n|\r)")
+
+
+class _LineTracker:
+    """Stands in for one of the caller's streams during a call: passes everything
+    through, and remembers whether the caller is in the middle of a line."""
+
+    def __init__(self, stream: TextIO, cond: threading.Condition):
+        self._stream = stream
+        self._cond = cond
+        self.mid_line = False
+
+    def write(self, text: str) -> int:
+        with self._cond:
+            n = self._stream.write(text)
+            if text:
+                self.mid_line = not text.endswith(("\n", "\r"))
+                if not self.mid_line:
+                    self._cond.notify_all()
+        return n
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
 
 
 class OutputRelay:
     def __init__(self, stdout: TextIO, stderr: TextIO):
         self._targets = (stdout, stderr)
+        self._cond = threading.Condition()
+        self._trackers = (_LineTracker(stdout, self._cond), _LineTracker(stderr, self._cond))
         self._selector = selectors.DefaultSelector()
         self._pending: dict[int, bytes] = {}
         self._lock = threading.Lock()
@@ -56,8 +86,17 @@ class OutputRelay:
         return ends[0], ends[1]
 
     def start(self) -> None:
+        """Start relaying; the caller's sys.stdout/sys.stderr are tracked until close()."""
         self._started = True
         self._thread.start()
+        sys.stdout, sys.stderr = self._trackers
+
+    def _untrack(self) -> None:
+        # Put the caller's streams back, unless its code has replaced them meanwhile.
+        if sys.stdout is self._trackers[0]:
+            sys.stdout = self._targets[0]
+        if sys.stderr is self._trackers[1]:
+            sys.stderr = self._targets[1]
 
     def close(self, timeout: float = 2.0) -> None:
         """Wait until every rank's pipes have closed (the ranks are gone), at most
@@ -74,6 +113,7 @@ class OutputRelay:
             self._stopping = True
         if self._thread.is_alive():
             self._thread.join()
+        self._untrack()
         self._selector.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -134,9 +174,14 @@ class OutputRelay:
         prefix = f"[rank {rank}] "
         text = data.decode("utf-8", errors="replace")
         lines = _LINE.findall(text)
-        target = self._targets[stream]
-        try:
-            target.write("".join(prefix + line for line in lines))
-            target.flush()
-        except Exception:
-            pass  # a closed or broken caller stream must not kill the relay (ranks would block)
+        text = "".join(prefix + line for line in lines)
+        target, tracker = self._targets[stream], self._trackers[stream]
+        with self._cond:
+            if tracker.mid_line and not self._cond.wait_for(lambda: not tracker.mid_line, _MID_LINE_WAIT):
+                text = "\n" + text  # the caller left a line open: start ours on a new one
+                tracker.mid_line = False
+            try:
+                target.write(text)
+                target.flush()
+            except Exception:
+                pass  # a closed or broken caller stream must not kill the relay (ranks would block)

@@ -1,0 +1,30 @@
+"""Shared pytest setup.
+
+Notebook tests run their cells in a real Jupyter kernel through :mod:`nbutil` (nbclient
++ ipykernel, on this interpreter). The ``notebook`` fixture gives them ``run_cells``;
+each call starts its own kernel and shuts it down, checking nothing it started is left.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+# nbutil sits next to this file; make it importable as a plain module from any test.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+@pytest.fixture
+def notebook() -> Callable:
+    """``run_cells(cells, timeout=120, allow_errors=False)`` -> executed cells, in a fresh kernel.
+
+    Skips the test when the notebook stack (nbclient, ipykernel) is not installed.
+    """
+    pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+    import nbutil
+
+    return nbutil.run_cells

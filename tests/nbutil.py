@@ -1,0 +1,225 @@
+"""Run code cells in a real Jupyter kernel (ipykernel, driven by nbclient) and read what they printed.
+
+The kernel is this interpreter (``sys.executable``, i.e. the project's venv), through a
+kernelspec written to a private directory, so a ``python3`` kernelspec elsewhere on the
+machine can never be picked up instead.
+
+Every kernel started here carries a unique marker in its environment. The environment is
+inherited by everything the kernel starts (the template, the ranks), so after the kernel
+is shut down, :func:`leftover_processes` finds any process it left behind, exactly,
+without matching processes by name.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import nbformat
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import AsyncKernelManager
+from nbclient import NotebookClient
+from nbformat import NotebookNode
+from traitlets import default
+
+KERNEL_NAME = "mpify-nb-test"
+#: Environment variable whose value identifies the processes of one test kernel.
+MARKER_VAR = "MPIFY_NB_TEST_KERNEL"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+_kernel_dir: Optional[str] = None
+
+
+def kernel_dir() -> str:
+    """A directory holding one kernelspec, ``mpify-nb-test``, that runs this very interpreter."""
+    global _kernel_dir
+    if _kernel_dir is None:
+        root = tempfile.mkdtemp(prefix="mpify_nb_kernels_")
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+        spec_dir = os.path.join(root, KERNEL_NAME)
+        os.mkdir(spec_dir)
+        spec = {
+            "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": "mpify_nb tests (venv python)",
+            "language": "python",
+            "metadata": {"debugger": False},
+        }
+        with open(os.path.join(spec_dir, "kernel.json"), "w") as f:
+            json.dump(spec, f)
+        _kernel_dir = root
+    return _kernel_dir
+
+
+class VenvKernelManager(AsyncKernelManager):
+    """A kernel manager that only knows the private kernelspec of :func:`kernel_dir`."""
+
+    @default("kernel_spec_manager")
+    def _default_ksm(self) -> KernelSpecManager:
+        return KernelSpecManager(kernel_dirs=[kernel_dir()], ensure_native_kernel=False)
+
+
+def new_notebook(cells: list[str]) -> NotebookNode:
+    """A notebook with one code cell per source string."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in cells]
+    nb.metadata["kernelspec"] = {"name": KERNEL_NAME, "display_name": KERNEL_NAME, "language": "python"}
+    return nb
+
+
+def execute_notebook(
+    nb: NotebookNode,
+    timeout: float = 120,
+    allow_errors: bool = False,
+    cwd: Union[str, Path, None] = None,
+    env: Optional[dict[str, str]] = None,
+) -> NotebookNode:
+    """Execute ``nb`` in place in a fresh kernel, shut down afterwards whatever happens.
+
+    Raises ``nbclient.exceptions.CellExecutionError`` on the first failing cell unless
+    ``allow_errors``, ``nbclient.exceptions.CellTimeoutError`` when a cell runs past
+    ``timeout`` seconds, and ``AssertionError`` when the kernel left a process running.
+    """
+    marker = uuid.uuid4().hex
+    kernel_env = dict(os.environ if env is None else env)
+    kernel_env[MARKER_VAR] = marker
+    kernel_env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")  # quiets a debugger warning on stderr
+    client = NotebookClient(
+        nb,
+        timeout=timeout,
+        allow_errors=allow_errors,
+        kernel_name=KERNEL_NAME,
+        kernel_manager_class=VenvKernelManager,
+        shutdown_kernel="graceful",
+        resources={"metadata": {"path": str(cwd or REPO_ROOT)}},
+    )
+    try:
+        # The client owns its kernel manager, so execute() shuts the kernel down on the way out.
+        client.execute(env=kernel_env)
+    except BaseException:
+        kill_leftovers(marker)  # the cell's error is the news; don't let a leak hide it
+        raise
+    assert_no_leftovers(marker)
+    return nb
+
+
+def run_cells(
+    cells: list[str],
+    timeout: float = 120,
+    allow_errors: bool = False,
+    cwd: Union[str, Path, None] = None,
+) -> list[NotebookNode]:
+    """Run ``cells`` (source strings) in order in a fresh kernel; return the executed cells."""
+    return execute_notebook(new_notebook(cells), timeout=timeout, allow_errors=allow_errors, cwd=cwd).cells
+
+
+# -- reading outputs ---------------------------------------------------------------------
+
+def stream_text(cell: NotebookNode, name: str = "stdout") -> str:
+    """All text the cell wrote to ``name`` ("stdout" or "stderr"), in order."""
+    return "".join(o.get("text", "") for o in cell.get("outputs", [])
+                   if o.get("output_type") == "stream" and o.get("name") == name)
+
+
+def all_text(cell: NotebookNode) -> str:
+    """Everything visible in the cell's outputs as text: streams, results, errors."""
+    parts: list[str] = []
+    for o in cell.get("outputs", []):
+        kind = o.get("output_type")
+        if kind == "stream":
+            parts.append(o.get("text", ""))
+        elif kind in ("execute_result", "display_data"):
+            parts.append(o.get("data", {}).get("text/plain", "") + "\n")
+        elif kind == "error":
+            parts.append(error_text(o))
+    return "".join(parts)
+
+
+def errors(cell: NotebookNode) -> list[NotebookNode]:
+    """The cell's error outputs (``ename``, ``evalue``, ``traceback``)."""
+    return [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
+
+
+def error_text(error: Any) -> str:
+    """An error output's (or CellExecutionError's) traceback as plain text, ANSI colours removed."""
+    lines = error.get("traceback", []) if isinstance(error, dict) else getattr(error, "traceback", "")
+    text = "\n".join(lines) if isinstance(lines, list) else str(lines)
+    return strip_ansi(text)
+
+
+def strip_ansi(text: str) -> str:
+    return re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", text)
+
+
+def result_text(cell: NotebookNode) -> str:
+    """The ``text/plain`` of the cell's ``execute_result`` (its last expression), or ''."""
+    for o in cell.get("outputs", []):
+        if o.get("output_type") == "execute_result":
+            return o.get("data", {}).get("text/plain", "")
+    return ""
+
+
+# -- leftover processes ------------------------------------------------------------------
+
+def leftover_processes(marker: str) -> list[int]:
+    """PIDs of live processes whose environment carries ``MARKER_VAR=marker``."""
+    needle = f"{MARKER_VAR}={marker}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read()
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue  # gone, or not ours
+        if state != b"Z" and needle in environ.split(b"\0"):
+            found.append(int(entry))
+    return found
+
+
+def assert_no_leftovers(marker: str, grace: float = 10.0) -> None:
+    """Fail if a process of the kernel tagged ``marker`` is still alive ``grace`` seconds on.
+
+    Those processes are killed first (by PID; they are ours), so one failure does not
+    leave the machine busy for the tests that follow.
+    """
+    deadline = time.monotonic() + grace
+    pids = leftover_processes(marker)
+    while pids and time.monotonic() < deadline:
+        time.sleep(0.1)
+        pids = leftover_processes(marker)
+    if pids:
+        described = kill_leftovers(marker)
+        raise AssertionError(f"the kernel left processes running (now killed): {described}")
+
+
+def kill_leftovers(marker: str) -> dict[int, str]:
+    """SIGKILL the live processes tagged ``marker``; return ``{pid: command line}`` of those."""
+    described = {}
+    for pid in leftover_processes(marker):
+        described[pid] = _cmdline(pid)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return described
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "?"
