@@ -68,7 +68,22 @@ def serve(control_fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the caller decides when ranks stop
 
     children: set[int] = set()
-    wire.send(control, pickle.dumps((_READY, os.getpid())))
+
+    def caller_gone() -> None:
+        for pid in children:  # its ranks go with it
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os._exit(0)
+
+    def reply(*message) -> None:
+        try:
+            wire.send(control, pickle.dumps(message))
+        except OSError:
+            caller_gone()
+
+    reply(_READY, os.getpid())
     selector = selectors.DefaultSelector()
     selector.register(control, selectors.EVENT_READ, "control")
     selector.register(child_r, selectors.EVENT_READ, "child")
@@ -79,19 +94,14 @@ def serve(control_fd: int) -> None:
                     os.read(child_r, 4096)
                 except BlockingIOError:
                     pass
-                _reap(control, children)
+                _reap(reply, children)
                 continue
             try:
                 message = wire.recv(control)
             except (OSError, EOFError):
                 message = None
-            if message is None:  # the caller is gone: so are its ranks
-                for pid in children:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                os._exit(0)
+            if message is None:
+                caller_gone()
             data, fds = message
             kind, request_id = pickle.loads(data)
             pid = os.fork()
@@ -100,10 +110,10 @@ def serve(control_fd: int) -> None:
             for fd in fds:
                 os.close(fd)
             children.add(pid)
-            wire.send(control, pickle.dumps((_FORKED, request_id, pid)))
+            reply(_FORKED, request_id, pid)
 
 
-def _reap(control: socket.socket, children: set[int]) -> None:
+def _reap(reply, children: set[int]) -> None:
     while children:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -112,7 +122,7 @@ def _reap(control: socket.socket, children: set[int]) -> None:
         if pid == 0:
             return
         children.discard(pid)
-        wire.send(control, pickle.dumps((_EXITED, pid, os.waitstatus_to_exitcode(status))))
+        reply(_EXITED, pid, os.waitstatus_to_exitcode(status))
 
 
 def _become_rank(fds: list[int], control, child_r: int, child_w: int) -> None:

@@ -1,0 +1,584 @@
+"""%%ranch and friends: run a notebook cell on N ranks (``%load_ext mpify_nb``).
+
+::
+
+    %%ranch 2
+    import os
+    rank = int(os.environ["RANK"])
+    scale * rank + offset(rank)      # the notebook has scale = 10 and def offset(r): return r + 1
+
+    [rank 0] 1
+    [rank 1] 12
+
+How a cell runs: the magic parses the cell and finds the names it reads from the
+notebook; ``ranch(N, _run_cell_on_rank, ...)`` ships them (``need=``) and runs
+the cell's source on every rank. Rank 0 is the notebook process, where
+``__main__`` *is* the notebook's namespace, so what the cell assigns stays in the
+notebook. The other ranks are fresh processes with a fresh ``__main__``. The cell
+is compiled under a name registered with IPython's compiler, so a remote
+traceback shows ``Cell In[n], line k`` and the cell's own lines.
+
+This module is imported by every rank (it holds ``_run_cell_on_rank``), so it
+imports IPython only where the magics are built, in the notebook process.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import functools
+import io
+import linecache
+import os
+import re
+import sys
+import tokenize
+from typing import Any, Optional
+
+_USAGE = "%%ranch N [--ddp] [--gpus IDS] [--timeout S] [--no-gather]"
+
+#: Per-rank values of the last %%ranch cell that finished (None: none finished, or it failed).
+_last_result: Optional[list] = None
+
+
+# -- what runs on every rank ----------------------------------------------------------------
+
+def _run_cell_on_rank(source: str, filename: str, send_value: bool = True) -> Any:
+    """Execute a cell in this process's ``__main__`` and return its last expression's value.
+
+    On rank 0 (the notebook) ``__main__`` is the notebook's namespace; on the other
+    ranks it is the fresh module the rank was given, holding the shipped names.
+    ``send_value`` False: ranks other than 0 return None (their values are not wanted).
+    """
+    namespace = sys.modules["__main__"].__dict__
+    if not hasattr(builtins, "display"):  # a rank has no IPython: display() prints, as in a terminal
+        namespace.setdefault("display", _display_as_text)
+    if filename not in linecache.cache:  # a rank: let its own traceback carry the cell's lines
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    module = ast.parse(source, filename)
+    last: Optional[ast.Expression] = None
+    if module.body and isinstance(module.body[-1], ast.Expr):
+        last = ast.Expression(module.body.pop().value)
+    # dont_inherit: this module's `from __future__ import annotations` must not leak into the cell.
+    exec(compile(module, filename, "exec", dont_inherit=True), namespace)
+    if last is None:
+        return None
+    value = eval(compile(last, filename, "eval", dont_inherit=True), namespace)
+    if not send_value and os.environ.get("RANK") != "0":
+        return None
+    return value
+
+
+def _display_as_text(*objs: Any, **kwargs: Any) -> None:
+    """IPython's ``display()`` on a rank without IPython: print each object's repr."""
+    for obj in objs:
+        print(repr(obj))
+
+
+# -- which names a cell takes from the notebook ---------------------------------------------
+
+_FUNCTION_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+
+
+def names_read_from_notebook(module: ast.Module) -> list[str]:
+    """Names the cell reads without having bound them itself first, in order of first use.
+
+    Statements are followed in order: a read counts unless an earlier statement
+    surely bound the name (``x = 1`` then ``x + 1`` takes nothing from the notebook,
+    so a stale or unpicklable ``x`` left there by an earlier run is not shipped).
+    Inside a branch, loop or ``with`` block, what the block bound so far counts
+    too; after it, only what every path bound. Reads inside function bodies happen
+    when the function is called: they count unless the cell binds the name anywhere
+    at its top level. Parameters and other local names never count.
+    """
+    scan = _Scan()
+    scan.block(module.body, set())
+    bound_anywhere = _local_names(module.body)
+    for name in scan.deferred:
+        if name not in bound_anywhere:
+            scan.found.setdefault(name)
+    return list(scan.found)
+
+
+class _Scan:
+    """Follows a cell's statements in order, collecting the names read before being bound."""
+
+    def __init__(self) -> None:
+        self.found: dict[str, None] = {}  # read at the cell's level (dicts: ordered sets)
+        self.deferred: dict[str, None] = {}  # read in function bodies
+
+    def block(self, stmts: list[ast.stmt], bound: set[str]) -> set[str]:
+        """Scan statements in order; return the names surely bound after them."""
+        bound = set(bound)
+        for stmt in stmts:
+            bound = self.statement(stmt, bound)
+        return bound
+
+    def reads(self, node: Optional[ast.AST], bound: set[str]) -> None:
+        if node is None:
+            return
+        reads = _Reads()
+        reads.visit(node)
+        for name in reads.now:
+            if name not in bound:
+                self.found.setdefault(name)
+        for name in reads.later:
+            self.deferred.setdefault(name)
+
+    def statement(self, stmt: ast.stmt, bound: set[str]) -> set[str]:
+        if isinstance(stmt, ast.If):
+            self.reads(stmt.test, bound)
+            return self.block(stmt.body, bound) & self.block(stmt.orelse, bound)
+        if isinstance(stmt, ast.While):
+            self.reads(stmt.test, bound)
+            self.block(stmt.body, bound)
+            self.block(stmt.orelse, bound)
+            return bound  # the body may not run
+        if isinstance(stmt, (ast.For, ast.AsyncFor)):
+            self.reads(stmt.iter, bound)
+            self.block(stmt.body, bound | _target_names(stmt.target))
+            self.block(stmt.orelse, bound)
+            return bound
+        if isinstance(stmt, (ast.With, ast.AsyncWith)):
+            inside = set(bound)
+            for item in stmt.items:
+                self.reads(item.context_expr, inside)
+                if item.optional_vars is not None:
+                    self.reads(item.optional_vars, inside)  # e.g. `as self.x` reads self
+                    inside |= _target_names(item.optional_vars)
+            return self.block(stmt.body, inside)
+        if isinstance(stmt, (ast.Try, getattr(ast, "TryStar", ast.Try))):
+            after_body = self.block(stmt.body, bound)
+            for handler in stmt.handlers:
+                self.reads(handler.type, bound)
+                self.block(handler.body, bound | ({handler.name} if handler.name else set()))
+            self.block(stmt.orelse, after_body)
+            return self.block(stmt.finalbody, bound)
+        if isinstance(stmt, ast.Match):
+            self.reads(stmt.subject, bound)
+            for case in stmt.cases:
+                self.reads(case.pattern, bound)  # value patterns like `case Color.RED`
+                captured = bound | {getattr(node, "name", None) or getattr(node, "rest", None)
+                                    for node in ast.walk(case.pattern)} - {None}
+                self.reads(case.guard, captured)
+                self.block(case.body, captured)
+            return bound
+        self.reads(stmt, bound)  # a simple statement, or a def/class (bodies are deferred)
+        return bound | _simple_bindings(stmt)
+
+
+def _simple_bindings(stmt: ast.stmt) -> set[str]:
+    """Names a simple statement (or a def/class) binds."""
+    names: set[str] = set()
+    if isinstance(stmt, ast.Assign):
+        for target in stmt.targets:
+            names |= _target_names(target)
+    elif isinstance(stmt, (ast.AnnAssign, ast.AugAssign)) and isinstance(stmt.target, ast.Name):
+        if not isinstance(stmt, ast.AnnAssign) or stmt.value is not None:
+            names.add(stmt.target.id)
+    elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
+        for alias in stmt.names:
+            if alias.name != "*":
+                names.add(alias.asname or alias.name.split(".")[0])
+    elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        names.add(stmt.name)
+    return names
+
+
+def _target_names(target: ast.expr) -> set[str]:
+    if isinstance(target, ast.Name):
+        return {target.id}
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return set().union(*(_target_names(t) for t in target.elts)) if target.elts else set()
+    if isinstance(target, ast.Starred):
+        return _target_names(target.value)
+    return set()  # attributes and subscripts bind no name
+
+
+def _local_names(body: list[ast.stmt]) -> set[str]:
+    """Names assigned in a function or class body (its locals), not looking into nested scopes."""
+    names: set[str] = set()
+    declared_global: set[str] = set()
+    todo: list[ast.AST] = list(body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Global, ast.Nonlocal)):
+            declared_global.update(node.names)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            names.add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update(a.asname or a.name.split(".")[0] for a in node.names if a.name != "*")
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            names.add(node.name)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+            todo.extend(node.decorator_list)  # evaluated in this scope; the body is not
+            continue
+        if isinstance(node, (ast.Lambda, *_COMPREHENSIONS)):
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+    return names - declared_global
+
+
+def _parameters(args: ast.arguments) -> set[str]:
+    every = [*args.posonlyargs, *args.args, *args.kwonlyargs]
+    every += [a for a in (args.vararg, args.kwarg) if a is not None]
+    return {a.arg for a in every}
+
+
+class _Reads(ast.NodeVisitor):
+    """Global names read by one top-level statement: ``now`` (as it runs) and ``later``
+    (inside function bodies, when they are called)."""
+
+    def __init__(self) -> None:
+        self.now: list[str] = []
+        self.later: list[str] = []
+        self._scopes: list[tuple[set[str], bool]] = []  # (local names, is a class body)
+        self._in_function = 0
+
+    def _is_local(self, name: str) -> bool:
+        for depth, (names, is_class) in enumerate(reversed(self._scopes)):
+            # A class body's names are visible in the body itself, not in its methods.
+            if is_class and depth > 0:
+                continue
+            if name in names:
+                return True
+        return False
+
+    def _read(self, name: str) -> None:
+        if not self._is_local(name):
+            (self.later if self._in_function else self.now).append(name)
+
+    def visit_Name(self, node: ast.Name) -> None:
+        if isinstance(node.ctx, ast.Load):
+            self._read(node.id)
+
+    def visit_AugAssign(self, node: ast.AugAssign) -> None:
+        if isinstance(node.target, ast.Name):
+            self._read(node.target.id)  # x += 1 reads x first
+        self.generic_visit(node)
+
+    def _visit_function(self, node, body: list[ast.AST], locals_: set[str]) -> None:
+        args = node.args
+        for default in [*args.defaults, *args.kw_defaults]:
+            if default is not None:
+                self.visit(default)
+        self._scopes.append((locals_, False))
+        self._in_function += 1
+        for child in body:
+            self.visit(child)
+        self._in_function -= 1
+        self._scopes.pop()
+
+    def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
+        for decorator in node.decorator_list:
+            self.visit(decorator)
+        for arg in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs,
+                    node.args.vararg, node.args.kwarg]:
+            if arg is not None and arg.annotation is not None:
+                self.visit(arg.annotation)
+        if node.returns is not None:
+            self.visit(node.returns)
+        self._visit_function(node, node.body, _parameters(node.args) | _local_names(node.body))
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_Lambda(self, node: ast.Lambda) -> None:
+        self._visit_function(node, [node.body], _parameters(node.args))
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        for child in [*node.decorator_list, *node.bases, *node.keywords]:
+            self.visit(child)
+        self._scopes.append((_local_names(node.body), True))
+        for child in node.body:
+            self.visit(child)
+        self._scopes.pop()
+
+    def _visit_comprehension(self, node, parts: list[ast.AST]) -> None:
+        generators = node.generators
+        self.visit(generators[0].iter)  # evaluated in the enclosing scope
+        targets: set[str] = set()
+        for gen in generators:
+            targets |= _target_names(gen.target)
+        self._scopes.append((targets, False))
+        for i, gen in enumerate(generators):
+            if i > 0:
+                self.visit(gen.iter)
+            for condition in gen.ifs:
+                self.visit(condition)
+        for part in parts:
+            self.visit(part)
+        self._scopes.pop()
+
+    def visit_ListComp(self, node) -> None:
+        self._visit_comprehension(node, [node.elt])
+
+    visit_SetComp = visit_GeneratorExp = visit_ListComp
+
+    def visit_DictComp(self, node: ast.DictComp) -> None:
+        self._visit_comprehension(node, [node.key, node.value])
+
+
+# Names IPython keeps in the user namespace for itself: In/Out history, _, __, _i3, _5...
+_IPYTHON_NAME = re.compile(r"_|__|___|_i+|_i?\d+|_[oid]h")
+
+
+def _is_ipython_name(name: str, shell) -> bool:
+    hidden = getattr(shell, "user_ns_hidden", {})
+    if name in hidden and shell.user_ns.get(name) is hidden[name]:
+        return True  # still IPython's own object, not something the user assigned
+    return bool(_IPYTHON_NAME.fullmatch(name))
+
+
+def notebook_names_for(module: ast.Module, shell) -> list[str]:
+    """The names the cell reads that the notebook defines: these travel to every rank."""
+    user_ns = shell.user_ns
+    return [
+        name for name in names_read_from_notebook(module)
+        if name in user_ns
+        and not (name.startswith("__") and name.endswith("__"))
+        and not _is_ipython_name(name, shell)
+    ]
+
+
+# -- showing results and errors ------------------------------------------------------------
+
+def _ends_with_semicolon(cell: str) -> bool:
+    """Like IPython: a cell whose last token is ';' shows no value."""
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(cell).readline))
+    except (tokenize.TokenError, SyntaxError):
+        return False
+    for token in reversed(tokens):
+        if token.type in (tokenize.ENDMARKER, tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT,
+                          tokenize.DEDENT, tokenize.INDENT):
+            continue
+        return token.type == tokenize.OP and token.string == ";"
+    return False
+
+
+def _labelled(rank: int, text: str) -> str:
+    """``[rank 1] value``; a multi-line value continues under its first line."""
+    label = f"[rank {rank}] "
+    return label + text.replace("\n", "\n" + " " * len(label))
+
+
+def _show_briefly(error: BaseException, lines: Optional[list[str]] = None) -> None:
+    """Make IPython show ``error`` as its message alone: the frames that raised it are the
+    library's, and the user's code is not among them."""
+    if lines is None:
+        message = str(error)
+        lines = [f"{type(error).__name__}: {message}" if message else type(error).__name__]
+    error._render_traceback_ = lambda: lines  # type: ignore[attr-defined]
+
+
+def _payload_message(error: Exception, shell) -> str:
+    """Say which notebook variable could not be shipped, in the terms of the cell (the core
+    speaks of need= globals, which the user of the magic never wrote)."""
+    message = str(error)
+    match = re.match(r"cannot send need= global '(\w+)' to the ranks: (.*)", message, re.S)
+    if match is None:
+        return message
+    name, reason = match.groups()
+    kind = type(shell.user_ns.get(name)).__name__
+    return (f"the cell uses the notebook's {name!r} ({kind}), which cannot be sent to the other ranks: "
+            f"{reason}. Create it in the cell instead (assigned before it is used, it is not sent).")
+
+
+class CellSyntaxError(Exception):
+    """A syntax error in a %%ranch cell, shown as IPython shows one in a normal cell.
+
+    Not a SyntaxError subclass on purpose: for those IPython prints the stack of the
+    code that raised it, here the library's, instead of the cell's line.
+    """
+
+    def __init__(self, error: SyntaxError, shown: list[str]):
+        super().__init__(f"{error.msg} (line {error.lineno})")
+        self.error = error
+        self._shown = shown
+
+    def _render_traceback_(self) -> list[str]:
+        return self._shown
+
+
+# -- the magics ------------------------------------------------------------------------------
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext mpify_nb``: register %%ranch and %ranch_result."""
+    ipython.register_magics(_magics_class()(ipython))
+
+
+@functools.cache
+def _magics_class() -> type:
+    """Build the Magics class (here, not at import: ranks import this module, and need no IPython)."""
+    from IPython.core.error import UsageError
+    from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+    from IPython.core.magic_arguments import argument, kwds, magic_arguments, parse_argstring
+    from IPython.display import publish_display_data
+
+    from .ddp import in_torchddp
+    from .errors import PayloadError, RankError
+    from .launcher import ranch
+
+    @magics_class
+    class RanchMagics(Magics):
+        """%%ranch N: run a cell on N ranks; %ranch_result: their values."""
+
+        @magic_arguments()
+        # IPython puts a '%' before the usage, and argparse %-formats it: "%%ranch" shows as %%ranch.
+        @kwds(usage=_USAGE[1:].replace("%", "%%"))
+        @argument("nprocs", metavar="N", help="number of ranks; the notebook itself is rank 0")
+        @argument("--ddp", action="store_true",
+                  help="run the cell inside in_torchddp(): a torch.distributed process group "
+                       "(gloo on CPU, nccl on GPUs) is up on every rank")
+        @argument("--gpus", metavar="IDS",
+                  help="with --ddp: GPU ids by rank, e.g. 3,1 puts rank 0 on GPU 3 and rank 1 on GPU 1")
+        @argument("--timeout", metavar="S",
+                  help="stop every rank and fail the cell if it runs longer than S seconds")
+        @argument("--no-gather", action="store_true",
+                  help="keep and show only rank 0's value (the other ranks' values are not sent back)")
+        @cell_magic
+        def ranch(self, line: str, cell: str) -> None:
+            """Run this cell on N ranks: the notebook is rank 0, N-1 fresh processes are the others.
+
+            Every rank runs the whole cell, with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR
+            and MASTER_PORT set. The notebook's variables, functions, classes and imported
+            modules that the cell uses are shipped to the other ranks automatically. Rank 0
+            runs the cell in the notebook's own namespace: what it assigns stays in the
+            notebook afterwards. The ranks are started for this cell and are gone when it
+            ends (spawn, execute, terminate).
+
+            Output of every rank appears live, each line of rank k prefixed "[rank k]".
+            The value of the cell's last expression is shown for each rank, labelled by
+            rank (rich display for rank 0); a trailing ';' hides it. %ranch_result gives
+            the list of per-rank values of the last %%ranch cell.
+
+            A rank that raises or dies fails the cell, showing the rank and its traceback.
+            The stop button stops every rank.
+
+            Example::
+
+                %%ranch 2 --ddp
+                import torch, torch.distributed as dist
+                t = torch.tensor([dist.get_rank() + 1.0])
+                dist.all_reduce(t)
+                t.item()
+            """
+            global _last_result
+            args = self._parse(line)
+            shell = self.shell
+            if sys.modules.get("__main__") is not shell.user_module:
+                raise UsageError("%%ranch needs the notebook's namespace to be __main__ "
+                                 "(IPython's user module), and it is not in this shell")
+            # The cell's first line is "%%ranch ...": compile its body as from line 2, under
+            # a name IPython's tracebacks know as "Cell In[n]", holding the cell's lines.
+            header = f"%%ranch {line}".rstrip()
+            filename = shell.compile.cache(f"{header}\n{cell}", shell.execution_count)
+            source = "\n" + cell
+            try:
+                module = ast.parse(source, filename)
+            except SyntaxError as e:
+                e.filename = filename
+                raise CellSyntaxError(e, shell.SyntaxTB.structured_traceback(SyntaxError, e, [])) from None
+            need = " ".join(notebook_names_for(module, shell))
+            has_value = bool(module.body) and isinstance(module.body[-1], ast.Expr)
+
+            _last_result = None
+            try:
+                values = ranch(args.nprocs, _run_cell_on_rank, source, filename, not args.no_gather,
+                               ctx=args.ctx, need=need, timeout=args.timeout, gather=not args.no_gather)
+            except RankError:
+                raise  # shows the failing rank and its remote traceback (RankError._render_traceback_)
+            except KeyboardInterrupt as e:
+                _show_briefly(e, ["KeyboardInterrupt: the cell was interrupted; every rank was stopped"])
+                raise
+            except PayloadError as e:
+                _show_briefly(e, [f"PayloadError: {_payload_message(e, shell)}"])
+                raise
+            except TimeoutError as e:
+                _show_briefly(e)
+                raise
+            if args.no_gather:
+                values = [values]
+            _last_result = values
+            if has_value and not _ends_with_semicolon(cell) and any(v is not None for v in values):
+                self._show(values)
+
+        @line_magic
+        def ranch_result(self, line: str) -> list:
+            """The list of per-rank values of the last %%ranch cell: element k is the value of
+            the cell's last expression on rank k (None where the cell ends with no expression).
+            With --no-gather, a list holding rank 0's value only.
+
+            Example::
+
+                %%ranch 3
+                import os
+                int(os.environ["RANK"]) ** 2
+
+                values = %ranch_result      # -> [0, 1, 4]
+            """
+            if line.strip():
+                raise UsageError("%ranch_result takes no arguments")
+            if _last_result is None:
+                raise UsageError("no %%ranch cell has finished yet (or the last one failed)")
+            return _last_result
+
+        # -- helpers ---------------------------------------------------------------------
+
+        def _parse(self, line: str):
+            try:
+                args = parse_argstring(self.ranch, line)
+            except UsageError as e:
+                raise UsageError(f"%%ranch: {e}\nusage: {_USAGE}\n(see %%ranch? for help)") from None
+
+            def bad(message: str) -> UsageError:
+                return UsageError(f"%%ranch: {message}\nusage: {_USAGE}\n(see %%ranch? for help)")
+
+            try:
+                args.nprocs = int(args.nprocs)
+            except ValueError:
+                raise bad(f"N must be a whole number of ranks, not {args.nprocs!r}") from None
+            if args.nprocs < 1:
+                raise bad(f"N must be at least 1, not {args.nprocs}")
+            if args.timeout is not None:
+                try:
+                    args.timeout = float(args.timeout)
+                except ValueError:
+                    raise bad(f"--timeout must be a number of seconds, not {args.timeout!r}") from None
+                if not args.timeout > 0:  # also rejects nan
+                    raise bad(f"--timeout must be more than 0 seconds, not {args.timeout:g}")
+            args.ctx = None
+            if args.gpus is not None:
+                if not args.ddp:
+                    raise bad("--gpus places the ranks of a --ddp cell: add --ddp")
+                if not re.fullmatch(r"\d+(,\d+)*", args.gpus.replace(" ", "")):
+                    raise bad(f"--gpus takes GPU ids separated by commas, like 3,1; not {args.gpus!r}")
+            if args.ddp:
+                try:
+                    args.ctx = in_torchddp(gpus=args.gpus)
+                    # ranch checks the options again; asking now turns a bad choice into a usage message.
+                    args.ctx._mpify_prepare(args.nprocs, 0)
+                except (ValueError, RuntimeError) as e:
+                    raise bad(str(e)) from None
+            return args
+
+        def _show(self, values: list) -> None:
+            formatter = self.shell.display_formatter
+            as_text = formatter.formatters["text/plain"]
+            lines: list[str] = []
+            data, metadata = formatter.format(values[0])
+            if set(data) - {"text/plain"}:  # rich: label, then the value as a normal cell shows it
+                publish_display_data({"text/plain": "[rank 0]"})
+                publish_display_data(data, metadata)
+            else:
+                lines.append(_labelled(0, data.get("text/plain", repr(values[0]))))
+            lines += [_labelled(r, as_text(v)) for r, v in enumerate(values) if r > 0]
+            if lines:
+                publish_display_data({"text/plain": "\n".join(lines)})
+
+    return RanchMagics
+
+
+__all__ = ["load_ipython_extension", "names_read_from_notebook", "notebook_names_for", "CellSyntaxError"]
