@@ -55,6 +55,7 @@ def main(channel_fd: int, expected_parent: int) -> None:
             os._exit(1)  # the caller gave up before sending anything
         config = pickle.loads(setup[0])
         rank = config["rank"]
+        set_process_name(f"mpify_nb-rank{rank}")
         _apply(config)
         message = wire.recv(channel)
         if message is None:
@@ -143,15 +144,22 @@ def _watch_caller(channel: socket.socket) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _prctl(option: int, arg) -> bool:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(option, arg) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def _die_with_parent(expected_parent: int) -> None:
     """Ask Linux to SIGKILL us when our parent (caller or template) dies."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != expected_parent:  # it died before prctl took effect
-        os._exit(1)
+    if _prctl(1, signal.SIGKILL) and os.getppid() != expected_parent:  # PR_SET_PDEATHSIG
+        os._exit(1)  # it died before prctl took effect
+
+
+def set_process_name(name: str) -> None:
+    """Name this process in ps/top (comm, 15 bytes), so ranks are easy to tell apart."""
+    _prctl(15, ctypes.c_char_p(name.encode()[:15]))  # PR_SET_NAME
 
 
 def _line_buffered_stdio() -> None:

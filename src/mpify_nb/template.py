@@ -59,7 +59,9 @@ def serve(control_fd: int) -> None:
             importlib.import_module(name)
         except Exception:
             pass
-    from . import rank  # noqa: F401  (imported now so each fork has it for free)
+    from . import rank  # imported now so each fork has it for free
+
+    rank.set_process_name("mpify_nb-tmpl")
 
     control = socket.socket(fileno=control_fd)
     child_r, child_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
