@@ -144,6 +144,7 @@ class TorchDDPCtx:
         if self.timeout is not None:
             kwargs["timeout"] = datetime.timedelta(seconds=self.timeout)
         store_rank = os.environ.get("MPIFY_NB_STORE_RANK")
+        groups_before = group_count()
         try:
             if store_rank is not None:
                 store = getattr(self, "_store", None)
@@ -153,6 +154,7 @@ class TorchDDPCtx:
                 kwargs["init_method"] = "env://"
             dist.init_process_group(**kwargs)
         except BaseException:
+            set_group_count(groups_before)
             self._restore_device()
             raise
         return self
@@ -174,6 +176,30 @@ class TorchDDPCtx:
             import torch
 
             torch.cuda.set_device(previous)
+
+
+def group_count() -> Optional[int]:
+    """torch's count of process groups made in this process (private, hence guarded)."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._world.group_count
+    except (ImportError, AttributeError):
+        return None
+
+
+def set_group_count(count: Optional[int]) -> None:
+    """Undo the count a failed ``init_process_group`` left behind. torch names a group's
+    store keys after it, so a stale count makes the next rendezvous in this process wait,
+    until its timeout, for peers that use fresh names."""
+    if count is None:
+        return
+    try:
+        from torch.distributed import distributed_c10d
+
+        distributed_c10d._world.group_count = count
+    except (ImportError, AttributeError):
+        pass
 
 
 def _make_store(is_master: bool) -> Any:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import linecache
 import os
 import signal
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Optional
@@ -41,10 +42,13 @@ class RankError(RuntimeError):
             print(e.rank, e)
     """
 
-    def __init__(self, rank: int, message: str):
+    def __init__(self, rank: int, message: str, when: Optional[float] = None):
         super().__init__(message)
         self.rank = rank
         self.others: list[RankError] = []
+        # time.monotonic() when it failed (the same clock in every process of this machine):
+        # of several failures, the earliest is the root cause.
+        self.when = time.monotonic() if when is None else when
 
     def _render_traceback_(self) -> list[str]:
         # IPython calls this instead of printing the local traceback, which would
@@ -60,12 +64,13 @@ class RankRaisedError(RankError):
     could be carried back.
     """
 
-    def __init__(self, rank: int, exc_type: str, exc_message: str, remote_traceback: str):
+    def __init__(self, rank: int, exc_type: str, exc_message: str, remote_traceback: str,
+                 when: Optional[float] = None):
         self.exc_type = exc_type
         self.exc_message = exc_message
         self.remote_traceback = remote_traceback
         head = f"rank {rank} raised {exc_type}: {exc_message}" if exc_message else f"rank {rank} raised {exc_type}"
-        super().__init__(rank, f"{head}\n\n--- traceback from rank {rank} ---\n{remote_traceback.rstrip()}")
+        super().__init__(rank, f"{head}\n\n--- traceback from rank {rank} ---\n{remote_traceback.rstrip()}", when)
 
 
 class RankExitedError(RankError):
@@ -113,6 +118,7 @@ class RemoteFailure:
     frames: list[tuple[str, int, str, Optional[str]]]  # filename, lineno, function, source line
     chain: str = ""  # formatted "During handling..." / "The above exception..." part
     exception_blob: Optional[bytes] = field(default=None, repr=False)  # the pickled exception
+    when: float = field(default_factory=time.monotonic)
 
     @classmethod
     def capture(cls, exc: BaseException, dumps) -> RemoteFailure:
@@ -147,7 +153,7 @@ class RemoteFailure:
         return "".join(lines)
 
     def to_error(self, rank: int, loads) -> RankRaisedError:
-        err = RankRaisedError(rank, self.exc_type, self.exc_message, self.format())
+        err = RankRaisedError(rank, self.exc_type, self.exc_message, self.format(), self.when)
         if self.exception_blob is not None:
             try:
                 original = loads(self.exception_blob)

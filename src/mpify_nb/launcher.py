@@ -36,7 +36,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from . import payload, placement, wire
+from . import ddp, payload, placement, wire
 from . import rank as rank_module
 from .errors import PayloadError, RankError, RankExitedError, RemoteFailure
 from .relay import OutputRelay
@@ -96,8 +96,8 @@ def ranch(
     prepare = getattr(ctx, "_mpify_prepare", None)
     if prepare is not None:
         prepare(nprocs, caller_rank)  # the ctx validates its options here, before anything starts
-    call = _Call(nprocs, caller_rank, timeout)
-    values = call.run(fn, args, kwargs, ctx, need, imports)
+    packed = payload.pack_call(fn, args, kwargs, ctx, need, imports)  # PayloadError: nothing started yet
+    values = _Call(nprocs, caller_rank, timeout).run(packed, fn, args, kwargs, ctx)
     if gather:
         return values
     return None if caller_rank is None else values[caller_rank]
@@ -155,6 +155,7 @@ class _Call:
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.selector.register(self.wake_r, selectors.EVENT_READ, ("wake", None))
         self.interrupted = False  # the user pressed stop (SIGINT)
+        self.aborting = False  # we are stopping the ranks: their deaths are no news
         self.finished = False  # the caller's own rank is done; the watch may end
         self.in_user_code = False
         self.signals_sent = 0  # SIGINTs we sent ourselves to the main thread
@@ -164,8 +165,7 @@ class _Call:
 
     # -- the whole call ------------------------------------------------------------------
 
-    def run(self, fn, args, kwargs, ctx, need, imports) -> list:
-        packed = payload.pack_call(fn, args, kwargs, ctx, need, imports)
+    def run(self, packed: payload.PackedCall, fn, args, kwargs, ctx) -> list:
         state = _CallerState.snapshot()
         relay = OutputRelay(sys.stdout, sys.stderr)
         values: list = [None] * self.nprocs
@@ -175,20 +175,25 @@ class _Call:
             self._start_ranks(packed, env, relay)
             relay.start()
             self._watch(until=lambda: all(r.ready or r.done for r in self.ranks.values()))
-            self._raise_failure()
-            for handle in self.ranks.values():
-                try:
-                    wire.send(handle.channel, rank_module.GO)
-                except OSError:
-                    pass  # it just died; the watch reports how
-            if self.caller_rank is None:
-                self._watch(until=self._all_done)
-            else:
-                watcher = threading.Thread(target=self._watch, args=(self._all_done,),
-                                           name="mpify_nb-watch", daemon=True)
-                watcher.start()
-                values[self.caller_rank] = self._run_own_rank(fn, args, kwargs, ctx, env)
-                watcher.join()
+            if self.failure is None and not self.interrupted:
+                for handle in self.ranks.values():
+                    try:
+                        wire.send(handle.channel, rank_module.GO)
+                    except OSError:
+                        pass  # it just died; the watch reports how
+                if self.caller_rank is None:
+                    self._watch(until=self._all_done)
+                else:
+                    watcher = threading.Thread(target=self._watch, args=(self._all_done,),
+                                               name="mpify_nb-watch", daemon=True)
+                    watcher.start()
+                    try:
+                        values[self.caller_rank] = self._run_own_rank(fn, args, kwargs, ctx, env)
+                    finally:
+                        self.finished = True
+                        self._wake()
+                        watcher.join()
+            self._drain()
             self._raise_failure()
             for r in self.ranks.values():
                 values[r.rank] = r.value
@@ -200,8 +205,6 @@ class _Call:
             packed.close()
             self.finished = True
             self._stop_all()
-            if watcher is not None:
-                watcher.join()
             self._reap()
             relay.close()
             self.selector.close()
@@ -344,20 +347,38 @@ class _Call:
         if handle.done:
             return
         handle.done = True
-        self._fail(RankExitedError(handle.rank, handle.process.exit_code(timeout=2.0)))
+        if not self.aborting:  # not one of the ranks we killed ourselves
+            self._fail(RankExitedError(handle.rank, handle.process.exit_code(timeout=2.0)))
 
     def _fail(self, error: BaseException) -> None:
+        """Record a failure. The first one stops the call; of several rank failures the
+        earliest (by the machine-wide monotonic clock) is the root cause, the others
+        (usually peers that lost it) go to its ``.others``."""
         with self.cond:
-            if self.failure is None:
+            first = self.failure is None
+            if first:
                 self.failure = error
             elif isinstance(self.failure, RankError) and isinstance(error, RankError):
-                self.failure.others.append(error)
-                return
-            else:
-                return
+                if error.when < self.failure.when:
+                    error.others = [self.failure, *self.failure.others]
+                    self.failure.others = []
+                    self.failure = error
+                else:
+                    self.failure.others.append(error)
             self.cond.notify_all()
-        self._kill_all()
-        self._interrupt_own_rank()
+        if first:
+            self._kill_all()
+            self._interrupt_own_rank()
+
+    def _drain(self) -> None:
+        """After the ranks ran (or were stopped): read the answers already sent. An error a
+        rank sent before a peer's echo of it must not be lost."""
+        self.aborting = self.failure is not None or self.interrupted
+        for handle in self.ranks.values():
+            while handle.channel_open and not handle.done:
+                if not select.select([handle.channel], [], [], 0)[0]:
+                    break
+                self._on_message(handle)
 
     def _kill_all(self) -> None:
         for handle in self.ranks.values():
@@ -377,6 +398,8 @@ class _Call:
     # -- the caller's own rank -----------------------------------------------------------
 
     def _run_own_rank(self, fn, args, kwargs, ctx, env) -> Any:
+        """Run the caller's rank on this thread. A failure is recorded, not raised:
+        run() raises the root cause once it has heard from every rank."""
         rank = self.caller_rank
         os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
         restore_signals = self._take_sigint() if self.on_main_thread else None
@@ -392,41 +415,32 @@ class _Call:
                 with self.cond:
                     self.in_user_code = False
         except _Aborted:
-            self._raise_failure()
-            raise
+            return None  # another rank failed first; run() reports it
         except KeyboardInterrupt:
             if self.failure is not None and not self.interrupted:
-                self._raise_failure()
+                return None  # our own SIGINT, landed after the user code: same as _Aborted
             self.interrupted = True
+            self._kill_all()
             raise
         except BaseException as e:
-            # Did a peer fail first (and this is the echo, e.g. "Connection closed by peer")?
-            if self.failure is None and self._some_rank_died():
+            # Is this the echo of a peer's failure (e.g. "Connection closed by peer")?
+            # Then the peer's own report is on its way: give it a moment.
+            if self.failure is None and self._some_rank_stirred():
                 with self.cond:
                     self.cond.wait_for(lambda: self.failure is not None, timeout=2.0)
-            if self.failure is not None:
-                self._raise_failure()
             failure = RemoteFailure.capture(e, lambda exc: None).to_error(rank, payload.loads)
             failure.__cause__ = e
             self._fail(failure)
-            raise failure from e
+            return None
         finally:
-            self.finished = True
-            self._wake()
             if restore_signals is not None:
                 restore_signals()
 
-    def _some_rank_died(self) -> bool:
+    def _some_rank_stirred(self) -> bool:
+        """Has a rank died, or sent something not yet read?"""
         fds = [r.process.death_fd for r in self.ranks.values() if r.process.death_fd is not None]
-        if not fds:
-            return False
-        sel = selectors.DefaultSelector()
-        try:
-            for fd in fds:
-                sel.register(fd, selectors.EVENT_READ)
-            return bool(sel.select(0))
-        finally:
-            sel.close()
+        fds += [r.channel for r in self.ranks.values() if r.channel_open]
+        return bool(fds) and bool(select.select(fds, [], [], 0)[0])
 
     def _take_sigint(self) -> Callable[[], None]:
         """Route SIGINT through us while the caller's rank runs: the watch thread learns of
@@ -461,10 +475,10 @@ class _Call:
     # -- ending --------------------------------------------------------------------------
 
     def _raise_failure(self) -> None:
-        if self.failure is not None:
-            raise self.failure
         if self.interrupted:
             raise KeyboardInterrupt
+        if self.failure is not None:
+            raise self.failure
 
     def _stop_all(self) -> None:
         """Finished ranks get a moment to exit on their own; everything else is killed now."""
@@ -480,7 +494,8 @@ class _Call:
 
     def _reap(self) -> None:
         for handle in self.ranks.values():
-            handle.process.exit_code(timeout=5.0)
+            if handle.process.exit_code(timeout=5.0) is None:
+                handle.process.wait_gone(timeout=5.0)  # e.g. its template died: no exit code
             handle.close()
 
 
@@ -508,6 +523,7 @@ class _CallerState:
                 self.dist_was_up = torch.distributed.is_available() and torch.distributed.is_initialized()
             except Exception:
                 pass
+        self.group_count = ddp.group_count() if torch is not None else None
         return self
 
     def restore(self) -> None:
@@ -515,8 +531,10 @@ class _CallerState:
         if torch is not None:
             try:
                 dist = torch.distributed
-                if not self.dist_was_up and dist.is_available() and dist.is_initialized():
-                    dist.destroy_process_group()  # the function left its group up
+                if not self.dist_was_up and dist.is_available():
+                    if dist.is_initialized():
+                        dist.destroy_process_group()  # the function left its group up
+                    ddp.set_group_count(self.group_count)  # e.g. after a failed rendezvous
             except Exception:
                 pass
             if self.cuda_device is not None:

@@ -71,17 +71,22 @@ class _Unpickler(dill.Unpickler):
         super().__init__(file)
         self._fds = fds
         self._private = private
+        self._tensors: dict[int, Any] = {}
 
     def persistent_load(self, pid):
         tag = pid[0]
         if tag == _TENSOR_TAG:
             _, index, dtype, shape, requires_grad, is_param = pid
-            import torch
+            if index not in self._tensors:  # the same tensor referenced twice stays one tensor
+                import torch
 
-            tensor = _tensor_from_memfd(torch, self._fds[index], dtype, shape, self._private)
-            if is_param:
-                return torch.nn.Parameter(tensor, requires_grad=requires_grad)
-            return tensor.requires_grad_(requires_grad)
+                tensor = _tensor_from_memfd(torch, self._fds[index], dtype, shape, self._private)
+                if is_param:
+                    tensor = torch.nn.Parameter(tensor, requires_grad=requires_grad)
+                else:
+                    tensor.requires_grad_(requires_grad)
+                self._tensors[index] = tensor
+            return self._tensors[index]
         if tag == _MAIN_CLASS_TAG:
             _, qualname, by_value = pid
             here = _lookup_main(qualname)
@@ -120,11 +125,10 @@ def _tensor_from_memfd(torch, fd: int, dtype, shape, private: bool):
     count = 1
     for n in shape:
         count *= n
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
-    # MAP_PRIVATE: ranks share the caller's pages but their writes stay their own.
-    flags = mmap.MAP_PRIVATE if private else mmap.MAP_SHARED
-    mm = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    return torch.frombuffer(mm, dtype=dtype, count=count).view(shape)  # the tensor keeps mm alive
+    # torch maps the file itself and keeps no descriptor open (Python's mmap would keep
+    # one per tensor for its whole life). shared=False is MAP_PRIVATE: ranks share the
+    # caller's pages, but their writes stay their own.
+    return torch.from_file(f"/proc/self/fd/{fd}", shared=not private, size=count, dtype=dtype).view(shape)
 
 
 def _lookup_main(qualname: str) -> Any:

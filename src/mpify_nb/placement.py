@@ -20,6 +20,7 @@ actors) fits the same seam.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -52,6 +53,7 @@ class RankProcess(Protocol):
     death_fd: Optional[int]  # readable once the process has ended (a pidfd); None if unavailable
 
     def kill(self) -> None: ...
+    def wait_gone(self, timeout: float) -> bool: ...
     def exit_code(self, timeout: float) -> Optional[int]: ...
     def close(self) -> None: ...
 
@@ -84,6 +86,12 @@ class _Pidfd:
                 os.kill(self.pid, signal.SIGKILL)
         except (ProcessLookupError, OSError):
             pass
+
+    def wait_gone(self, timeout: float) -> bool:
+        """Wait until the process has ended; True if it has."""
+        if self.death_fd is None:
+            return True
+        return bool(select.select([self.death_fd], [], [], timeout)[0])
 
     def close(self) -> None:
         if self.death_fd is not None:

@@ -80,7 +80,14 @@ def main(channel_fd: int, expected_parent: int) -> None:
             value = fn(*args, **kwargs)
         else:
             with ctx:
-                value = fn(*args, **kwargs)
+                try:
+                    value = fn(*args, **kwargs)
+                except BaseException as e:
+                    # Report first and leave without ctx.__exit__: tearing the group down
+                    # would make the peers fail ("Connection closed by peer"), and their
+                    # echo could reach the caller before this, the root cause.
+                    _send_failure(channel, e)
+                    _exit(0)
     except BaseException as e:
         _send_failure(channel, e)
         _exit(0)

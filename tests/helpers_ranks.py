@@ -1,0 +1,392 @@
+"""Functions the tests run *on ranks*, and the process identities they report.
+
+Ranks import this module by name (the caller's ``sys.path`` travels with each
+call), so it must stay cheap to import: no pytest, torch only inside functions.
+Test modules import pytest (~0.3 s per rank per call), which is why rank code
+lives here and not next to the tests.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from mpify_nb import TorchDDPCtx
+
+#: A global that functions set on a rank, to show it does not survive into the next call.
+LEAKY: Optional[str] = None
+
+
+# -- who am I ------------------------------------------------------------------------------
+
+def rank() -> int:
+    return int(os.environ["RANK"])
+
+
+def start_time(pid: int) -> Optional[int]:
+    """The process's start time (clock ticks since boot), or None if there is no such process.
+    With the pid it names a process for good: pids are reused, (pid, start) pairs are not."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()  # the name, in parentheses, may hold spaces
+    return int(fields[19])
+
+
+def identity() -> tuple[int, int]:
+    """(pid, start time) of this process."""
+    pid = os.getpid()
+    start = start_time(pid)
+    assert start is not None
+    return pid, start
+
+
+def record(directory: str) -> tuple[int, int]:
+    """Write this rank's identity to ``directory/<rank>.json`` (atomically) and return it,
+    so the test knows every rank's pid even when the rank never answers."""
+    ident = identity()
+    path = Path(directory) / f"{rank()}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(list(ident)))
+    os.replace(tmp, path)
+    return ident
+
+
+def wait_for_peers(directory: str, timeout: float = 30.0) -> None:
+    """Wait until every rank of the call recorded itself: then the others are surely
+    running user code (sleeping, in a collective) when this one fails."""
+    deadline = time.monotonic() + timeout
+    world = int(os.environ["WORLD_SIZE"])
+    while len(list(Path(directory).glob("*.json"))) < world and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+# -- plain functions -----------------------------------------------------------------------
+
+def rank_and_identity() -> tuple[int, tuple[int, int]]:
+    return rank(), identity()
+
+
+def echo(*args: Any, **kwargs: Any) -> tuple[int, tuple, dict]:
+    return rank(), args, kwargs
+
+
+WORLD_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def world_env() -> dict:
+    return {name: os.environ.get(name) for name in WORLD_VARS}
+
+
+def main_globals(*names: str) -> dict:
+    """Which of ``names`` exist in this rank's ``__main__`` (their repr)."""
+    main = vars(sys.modules["__main__"])
+    return {n: repr(main[n]) for n in names if n in main}
+
+
+def leave_traces(token: str) -> None:
+    """Change what a careless launcher would carry into the next call."""
+    global LEAKY
+    LEAKY = token
+    vars(sys.modules["__main__"])["LEAKY_MAIN"] = token
+    os.environ["MPIFY_TEST_LEAKY"] = token
+    sys.modules["json"].LEAKY_ATTR = token  # type: ignore[attr-defined]
+
+
+def find_traces() -> dict:
+    import json as json_module
+
+    return {
+        "module global": LEAKY,
+        "__main__ global": vars(sys.modules["__main__"]).get("LEAKY_MAIN"),
+        "environ": os.environ.get("MPIFY_TEST_LEAKY"),
+        "module attribute": getattr(json_module, "LEAKY_ATTR", None),
+    }
+
+
+def wander(directory: str, fail: bool) -> str:
+    """Change this process's cwd and environment (as user code may), then return or raise."""
+    os.chdir(directory)
+    os.environ["MPIFY_TEST_SET_BY_FN"] = str(rank())
+    if fail:
+        raise RuntimeError("wandered off and failed")
+    return os.getcwd()
+
+
+def probe_callers_world(module: str) -> tuple[Optional[str], str, str]:
+    """What a rank sees of its caller: an env variable, the cwd, a module on the caller's sys.path."""
+    mod = __import__(module)
+    return os.environ.get("MPIFY_TEST_FROM_CALLER"), os.getcwd(), mod.hello()
+
+
+def use_import_star() -> tuple[bool, str]:
+    """import_star into this rank's __main__ and into a given namespace."""
+    from mpify_nb import import_star
+
+    import_star("json")
+    in_main = "dumps" in vars(sys.modules["__main__"]) and "JSONDecoder" in vars(sys.modules["__main__"])
+    ns: dict = {}
+    import_star(["json", "os.path"], ns)
+    return in_main, ns["dumps"]({"joined": ns["join"]("a", "b")})
+
+
+# -- failing functions ---------------------------------------------------------------------
+
+def sleep_and_record(directory: str, seconds: float) -> tuple[int, int]:
+    ident = record(directory)
+    time.sleep(seconds)
+    return ident
+
+
+def raise_on(target: int, directory: str, seconds: float) -> int:
+    """Rank ``target`` raises ValueError; every other rank sleeps ``seconds``."""
+    record(directory)
+    if rank() == target:
+        wait_for_peers(directory)
+        raise ValueError(f"boom from rank {target}")  # the source line the error must show
+    time.sleep(seconds)
+    return rank()
+
+
+def die_on(target: int, how: str, directory: str, seconds: float) -> int:
+    """Rank ``target`` dies without answering (``how``: sigkill, segfault, exit3); the others sleep."""
+    record(directory)
+    if rank() == target:
+        wait_for_peers(directory)
+        if how == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif how == "segfault":
+            ctypes.string_at(0)
+        elif how == "exit3":
+            os._exit(3)
+        raise AssertionError(f"still alive after {how}")
+    time.sleep(seconds)
+    return rank()
+
+
+def sleep_on(target: int, directory: str, seconds: float) -> int:
+    """Only rank ``target`` sleeps; the others return at once."""
+    record(directory)
+    if rank() == target:
+        time.sleep(seconds)
+    return rank()
+
+
+def return_unpicklable_on(target: int) -> Any:
+    if rank() == target:
+        return (i for i in range(3))  # a generator cannot be pickled
+    return rank()
+
+
+# -- torch.distributed ---------------------------------------------------------------------
+
+def all_reduce_rank_plus_one() -> float:
+    """Sum of (rank + 1) over the group, by all_reduce."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(rank() + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def world_info() -> dict:
+    import torch.distributed as dist
+
+    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "backend": dist.get_backend()}
+
+
+def with_ddp_inside() -> tuple[bool, float, bool]:
+    """Use ``with in_torchddp():`` in the rank itself; report the group state inside and after."""
+    import torch.distributed as dist
+
+    from mpify_nb import in_torchddp
+
+    with in_torchddp():
+        inside = dist.is_initialized()
+        total = all_reduce_rank_plus_one()
+    return inside, total, dist.is_initialized()
+
+
+def ddp_raise_on(target: int, directory: str) -> float:
+    """Rank ``target`` raises (a moment later); the others block in all_reduce waiting for it."""
+    record(directory)
+    if rank() == target:
+        wait_for_peers(directory)
+        time.sleep(0.3)  # the others are in all_reduce by now
+        raise ValueError(f"rank {target} gives up")
+    return all_reduce_rank_plus_one()
+
+
+def ddp_sleep_on(target: int, directory: str, seconds: float) -> float:
+    """Rank ``target`` sleeps; the others block in all_reduce waiting for it."""
+    record(directory)
+    if rank() == target:
+        time.sleep(seconds)
+    return all_reduce_rank_plus_one()
+
+
+def ddp_train_step(seed: int) -> list:
+    """One DDP step of a small linear model on this rank's own data; return the parameters."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 2)  # same seed on every rank: same start
+    ddp = DDP(model)
+    x, y = training_batch(seed, rank())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    loss = torch.nn.functional.mse_loss(ddp(x), y)
+    loss.backward()
+    opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def training_batch(seed: int, r: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 100 + r)
+    return torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+
+
+def listening_sockets() -> list[str]:
+    """After a barrier (so every rank's sockets are open): the local addresses of the TCP
+    sockets this process listens on, from /proc/net/tcp{,6} filtered by our own inodes."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            next(f)
+            for line in f:
+                parts = line.split()
+                local, state, inode = parts[1], parts[3], parts[9]
+                if state == "0A" and inode in inodes:  # 0A: LISTEN
+                    found.append(_decode_address(local))
+    dist.barrier()  # nobody closes its sockets before everyone looked
+    return found
+
+
+def _decode_address(hex_address: str) -> str:
+    """'0100007F:1F90' -> '127.0.0.1:8080' (and the same for IPv6), as the kernel writes them."""
+    import ipaddress
+
+    host, port = hex_address.split(":")
+    raw = bytes.fromhex(host)
+    # The kernel prints each 32-bit word in host (little-endian) order.
+    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return f"{ipaddress.ip_address(raw)}:{int(port, 16)}"
+
+
+# -- tensors -------------------------------------------------------------------------------
+
+def mapping_of(address: int) -> Optional[str]:
+    """The name of the memory mapping of this process that holds ``address`` ("" if anonymous)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            if start <= address < end:
+                return parts[5].strip() if len(parts) > 5 else ""
+    return None
+
+
+def tensor_plus_rank(t):
+    """``t + rank``, and where ``t`` lives on this rank."""
+    return t + rank(), mapping_of(t.data_ptr()), float(t.sum())
+
+
+def describe_tensor(t) -> tuple:
+    return type(t).__name__, t.requires_grad, tuple(t.shape), str(t.dtype), float(t.detach().sum())
+
+
+def as_is(x: Any) -> Any:
+    return x
+
+
+def write_then_read(t, writer_ranks: tuple) -> tuple[float, float]:
+    """Ranks in ``writer_ranks`` fill ``t`` in place with rank+1; after a barrier every rank
+    reports the min and max it sees."""
+    import torch.distributed as dist
+
+    if rank() in writer_ranks:
+        t.fill_(rank() + 1)
+    dist.barrier()
+    seen = float(t.min()), float(t.max())
+    dist.barrier()  # nobody leaves (and unmaps) before everyone looked
+    return seen
+
+
+def nested_identity(tree: dict) -> tuple[bool, dict]:
+    """Is the tensor that appears twice in ``tree`` still one object here? And the tree back."""
+    return tree["list"][1] is tree["list"][2]["again"][0], tree
+
+
+# -- payloads that fail only on a rank -----------------------------------------------------
+
+class FailsToLoad:
+    """An argument that unpickles fine everywhere except on rank ``target`` of a call made
+    by process ``caller_pid``: there it raises (``how="raise"``) or kills its process (``"kill"``).
+    Models a rank that dies before it can join the group."""
+
+    def __init__(self, target: int, how: str):
+        self.caller_pid = os.getpid()
+        self.target = target
+        self.how = how
+
+    def __reduce__(self):
+        return _load_or_fail, (self.caller_pid, self.target, self.how)
+
+
+def _load_or_fail(caller_pid: int, target: int, how: str) -> FailsToLoad:
+    if os.getpid() != caller_pid and os.environ.get("RANK") == str(target):
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError(f"this payload refuses to load on rank {target}")
+    obj = FailsToLoad.__new__(FailsToLoad)
+    obj.caller_pid, obj.target, obj.how = caller_pid, target, how
+    return obj
+
+
+def takes_payload(payload: Any, directory: str) -> int:
+    record(directory)
+    return rank()
+
+
+class DiesBeforeJoining(TorchDDPCtx):
+    """An ``in_torchddp()`` whose rank ``target`` kills itself instead of joining the group,
+    while the other ranks, the caller included, are in the rendezvous."""
+
+    def __init__(self, target: int = -1, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.target = target
+
+    def __getstate__(self) -> dict:
+        return dict(super().__getstate__(), target=self.target)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.target = state["target"]
+
+    def __enter__(self) -> TorchDDPCtx:
+        if rank() == self.target:
+            time.sleep(0.5)  # the others are in the rendezvous by now
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().__enter__()

@@ -1,0 +1,221 @@
+"""What travels to the ranks and back: tensors small and big (shared memory), parameters,
+nested containers; and what cannot travel is refused with an error that names it
+(arguments and globals before any rank starts, results with the rank that made them).
+"""
+
+# Fixtures come from helpers_ranch by import; their parameters shadow the imported names.
+# ruff: noqa: F811
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+import torch
+
+import helpers_ranks as hr
+import mpify_nb
+from helpers_ranch import (  # noqa: F401  (method, scripts: fixtures)
+    BOTH_METHODS,
+    assert_next_call_works,
+    finish,
+    method,
+    no_rank_started,
+    scripts,
+    start_script,
+)
+from mpify_nb import PayloadError, RankError, RankRaisedError, in_torchddp
+
+BIG = 1 << 19  # float32 elements: 2 MiB, over the 1 MiB shared-memory threshold
+
+
+def big_tensor() -> torch.Tensor:
+    return torch.arange(BIG, dtype=torch.float32)
+
+
+# -- tensors ------------------------------------------------------------------------------------
+
+@BOTH_METHODS
+def test_small_tensor_in_and_out(method):
+    t = torch.arange(6.0).reshape(2, 3)
+    results = mpify_nb.ranch(3, hr.tensor_plus_rank, t, caller_rank=None)
+    for r, (out, _, total) in enumerate(results):
+        assert torch.equal(out, t + r)
+        assert total == 15.0
+
+
+@BOTH_METHODS
+def test_big_tensor_in_and_out_through_shared_memory(method):
+    t = big_tensor()
+    expected_sum = float(t.sum())
+    results = mpify_nb.ranch(3, hr.tensor_plus_rank, t)
+    for r, (out, where, total) in enumerate(results):
+        assert out.shape == (BIG,) and out.dtype == torch.float32
+        assert torch.equal(out, t + r)
+        assert total == expected_sum
+        if r != 0:  # rank 0 is the caller: it has the caller's own tensor
+            assert where is not None and where.startswith("/memfd:"), f"rank {r}: input in {where!r}"
+            # what came back is the rank's shared mapping, not a copy in the caller's heap
+            back = hr.mapping_of(out.data_ptr())
+            assert back is not None and back.startswith("/memfd:"), f"rank {r}: result in {back!r}"
+    assert torch.equal(t, big_tensor())
+
+
+def test_result_tensor_outlives_the_ranks():
+    """A big result stays valid (and writable) after its rank is gone."""
+    out = mpify_nb.ranch(2, hr.tensor_plus_rank, big_tensor(), caller_rank=None)[1][0]
+    out += 1
+    assert float(out[-1]) == BIG - 1 + 1 + 1
+
+
+@pytest.mark.parametrize("size", [16, BIG], ids=["small", "big"])
+def test_rank_writes_stay_private(size):
+    """Ranks write into the tensor they were given: the caller's tensor does not change, and no
+    rank sees another's writes (rank 0, the caller, writes nothing and must see only zeros)."""
+    t = torch.zeros(size)
+    seen = mpify_nb.ranch(3, hr.write_then_read, t, (1, 2), ctx=in_torchddp())
+    assert seen == [(0.0, 0.0), (2.0, 2.0), (3.0, 3.0)]
+    assert float(t.abs().max()) == 0.0
+
+
+def test_rank_writes_stay_private_all_ranks_new():
+    t = torch.zeros(BIG)
+    seen = mpify_nb.ranch(3, hr.write_then_read, t, (0, 1, 2), ctx=in_torchddp(), caller_rank=None)
+    assert seen == [(1.0, 1.0), (2.0, 2.0), (3.0, 3.0)]
+    assert float(t.abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("size", [4, BIG], ids=["small", "big"])
+def test_parameter(size):
+    p = torch.nn.Parameter(torch.ones(size))
+    described = mpify_nb.ranch(2, hr.describe_tensor, p, caller_rank=None)
+    assert described == [("Parameter", True, (size,), "torch.float32", float(size))] * 2
+    back = mpify_nb.ranch(2, hr.as_is, p, caller_rank=None)
+    for q in back:
+        assert isinstance(q, torch.nn.Parameter) and q.requires_grad
+        assert torch.equal(q.detach(), p.detach())
+    frozen = torch.nn.Parameter(torch.ones(size), requires_grad=False)
+    assert mpify_nb.ranch(1, hr.describe_tensor, frozen, caller_rank=None)[0][:2] == ("Parameter", False)
+
+
+def test_requires_grad_survives_on_a_plain_tensor():
+    t = torch.ones(BIG, requires_grad=True)
+    assert mpify_nb.ranch(1, hr.describe_tensor, t, caller_rank=None)[0][:2] == ("Tensor", True)
+
+
+def test_nested_containers():
+    small, big = torch.ones(3), big_tensor()
+    tree = {"list": [small, big, {"again": (big, 3)}], "text": "x", "none": None, "ints": {1, 2}}
+    results = mpify_nb.ranch(2, hr.nested_identity, tree, caller_rank=None)
+    for _, back in results:
+        assert torch.equal(back["list"][0], small)
+        assert torch.equal(back["list"][1], big)
+        assert torch.equal(back["list"][2]["again"][0], big)
+        assert back["list"][2]["again"][1] == 3
+        assert (back["text"], back["none"], back["ints"]) == ("x", None, {1, 2})
+
+
+def test_small_tensor_passed_twice_stays_one_tensor():
+    small = torch.ones(3)
+    tree = {"list": [None, small, {"again": (small, 3)}]}
+    assert [same for same, _ in mpify_nb.ranch(2, hr.nested_identity, tree, caller_rank=None)] == [True, True]
+
+
+def test_big_tensor_passed_twice_stays_one_tensor():
+    big = big_tensor()
+    tree = {"list": [None, big, {"again": (big, 3)}]}
+    assert [same for same, _ in mpify_nb.ranch(2, hr.nested_identity, tree, caller_rank=None)] == [True, True]
+
+
+# -- what cannot travel -------------------------------------------------------------------------
+
+def test_unpicklable_argument():
+    with socket.socket() as conn:
+        with no_rank_started(), pytest.raises(PayloadError) as info:
+            mpify_nb.ranch(2, hr.echo, 1, conn)
+    assert isinstance(info.value, TypeError)
+    message = str(info.value)
+    assert "argument 1" in message and "socket" in message
+
+
+def test_unpicklable_keyword_argument():
+    gen = (i for i in range(3))
+    with no_rank_started(), pytest.raises(PayloadError) as info:
+        mpify_nb.ranch(2, hr.echo, 1, stream=gen)
+    assert "keyword argument 'stream'" in str(info.value)
+    assert "generator" in str(info.value)
+
+
+def test_unpicklable_global_in_a_test_function():
+    """A function defined here (shipped by value, like a notebook's) using a global that cannot
+    be pickled: the error names the global."""
+    namespace = {"__name__": "__main__"}
+    exec(  # a notebook cell: its globals are __main__'s
+        "import socket\n"
+        "NOTEBOOK_CONN = socket.socket()\n"
+        "def ping():\n"
+        "    return NOTEBOOK_CONN.fileno()\n",
+        namespace,
+    )
+    try:
+        with no_rank_started(), pytest.raises(PayloadError) as info:
+            mpify_nb.ranch(2, namespace["ping"])
+        assert "'NOTEBOOK_CONN'" in str(info.value)
+    finally:
+        namespace["NOTEBOOK_CONN"].close()
+
+
+def test_unpicklable_global_in_a_real_main(scripts):
+    proc = start_script("unpicklable_global.py", env={"MPIFY_NB_PREWARM": "0"})
+    scripts.append(proc)
+    out, err = finish(proc)
+    assert proc.returncode == 0, f"{out}\n{err}"
+    assert "PAYLOAD-ERROR" in out, out
+    error_line = next(line for line in out.splitlines() if line.startswith("PAYLOAD-ERROR"))
+    assert "'CONNECTION'" in error_line and "send_hello" in error_line
+    assert "PROCESSES-STARTED 0" in out
+    assert "TEMPLATE False" in out
+
+
+def test_a_lock_is_fine():
+    """dill pickles locks (as new locks): not an error."""
+    assert mpify_nb.ranch(2, hr.as_is, threading.Lock(), caller_rank=None)[1].acquire(blocking=False)
+
+
+@pytest.mark.parametrize("caller_rank, target", [(0, 1), (None, 0)])
+def test_unpicklable_result(caller_rank, target):
+    with pytest.raises(RankError) as info:
+        mpify_nb.ranch(2, hr.return_unpicklable_on, target, caller_rank=caller_rank)
+    err = info.value
+    assert isinstance(err, RankRaisedError)
+    assert err.rank == target
+    assert f"rank {target}" in str(err)
+    assert "cannot be pickled" in str(err) and "generator" in str(err)
+    assert_next_call_works()
+
+
+def test_unpicklable_result_on_the_caller_is_fine():
+    """The caller's own value is not pickled at all."""
+    results = mpify_nb.ranch(2, hr.return_unpicklable_on, 0)
+    assert list(results[0]) == [0, 1, 2] and results[1] == 1
+
+
+def test_unpicklable_ctx():
+    class Ctx:
+        def __init__(self):
+            self.conn = socket.socket()
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+    ctx = Ctx()
+    try:
+        with no_rank_started(), pytest.raises(PayloadError, match="ctx"):
+            mpify_nb.ranch(2, hr.rank, ctx=ctx)
+    finally:
+        ctx.conn.close()
+
