@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -288,6 +289,10 @@ def test_leftover_check_finds_and_kills_tagged_processes():
     env = dict(os.environ, **{nbutil.MARKER_VAR: marker})
     proc = subprocess.Popen(["sleep", "60"], env=env)
     try:
+        # Until the child has exec'd, /proc/<pid>/environ still shows our own environment.
+        deadline = time.monotonic() + 10
+        while nbutil.leftover_processes(marker) != [proc.pid] and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert nbutil.leftover_processes(marker) == [proc.pid]
         with pytest.raises(AssertionError, match="sleep 60"):
             nbutil.assert_no_leftovers(marker, grace=0.2)

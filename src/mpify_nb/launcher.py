@@ -375,6 +375,7 @@ class _Call:
         rank sent before a peer's echo of it must not be lost."""
         self.aborting = self.failure is not None or self.interrupted
         for handle in self.ranks.values():
+            handle.channel.settimeout(1.0)  # a message cut short by a kill must not stall us
             while handle.channel_open and not handle.done:
                 if not select.select([handle.channel], [], [], 0)[0]:
                     break
