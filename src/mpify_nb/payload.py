@@ -22,8 +22,8 @@ another process can run, and back.
 
 from __future__ import annotations
 
+import ctypes
 import io
-import mmap
 import os
 import sys
 from typing import Any, Callable, Optional
@@ -106,18 +106,24 @@ def _shareable(torch, t) -> bool:
 
 
 def _tensor_to_memfd(torch, t) -> int:
-    nbytes = t.numel() * t.element_size()
+    """Copy the tensor's bytes into a new memfd: the one copy a shared tensor costs.
+
+    write(2) rather than a copy into a mapping: the kernel allocates each shmem page
+    and fills it in one pass, where a mapping would take a page fault per 4 KiB
+    (about 1.4x slower here)."""
+    src = t.detach().contiguous()
+    nbytes = src.numel() * src.element_size()
+    view = memoryview((ctypes.c_char * nbytes).from_address(src.data_ptr())).cast("B")
     fd = os.memfd_create("mpify_nb-tensor", os.MFD_CLOEXEC)
     try:
-        os.ftruncate(fd, nbytes)
-        with mmap.mmap(fd, nbytes) as mm:
-            dst = torch.frombuffer(mm, dtype=t.dtype, count=t.numel()).view(t.shape)
-            with torch.no_grad():
-                dst.copy_(t)
-            del dst
+        done = 0
+        while done < nbytes:
+            done += os.write(fd, view[done:])
     except BaseException:
         os.close(fd)
         raise
+    finally:
+        view.release()
     return fd
 
 
