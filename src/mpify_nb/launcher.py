@@ -202,10 +202,10 @@ class _Call:
             self.interrupted = True
             raise
         finally:
-            packed.close()
             self.finished = True
             self._stop_all()
             self._reap()
+            packed.close_later()
             relay.close()
             self.selector.close()
             os.close(self.wake_r)

@@ -26,6 +26,7 @@ import ctypes
 import io
 import os
 import sys
+import threading
 from typing import Any, Callable, Optional
 
 import dill
@@ -187,6 +188,13 @@ class PackedCall:
     def close(self) -> None:
         close_fds(self.fds)
         self.fds = []
+
+    def close_later(self) -> None:
+        """Close, off the caller's path: the last close of a big memfd frees its pages
+        (~40 ms for 256 MiB), which the call need not wait for."""
+        if self.fds:
+            fds, self.fds = self.fds, []
+            threading.Thread(target=close_fds, args=(fds,), name="mpify_nb-free", daemon=True).start()
 
 
 def pack_call(

@@ -148,6 +148,6 @@ class SpawnPlacer:
             stdout=stdout_fd,
             stderr=stderr_fd,
             env=template.bootstrap_env(),
-            start_new_session=True,  # the caller alone decides when ranks stop (kernel interrupts hit its group)
+            **template.own_process_group(),
         )
         return _SpawnedRank(proc)

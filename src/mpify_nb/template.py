@@ -167,7 +167,7 @@ class TemplateClient:
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
             env=bootstrap_env(),
-            start_new_session=True,  # a kernel interrupt (SIGINT to its process group) must not reach it
+            **own_process_group(),
         )
         theirs.close()
         self.pid = self._proc.pid
@@ -289,6 +289,17 @@ def shutdown() -> None:
 
 def _env_signature() -> tuple:
     return (sys.executable,) + tuple(os.environ.get(k) for k in IMPORT_TIME_ENV)
+
+
+def own_process_group() -> dict:
+    """Popen arguments that put the child in a process group of its own, in the caller's
+    session: the SIGINT a kernel interrupt sends to the caller's group does not reach it
+    (the caller alone decides when ranks stop), and the scheduler still treats it as part
+    of the caller's session (a new session is a separate autogroup, which cost DDP ranks
+    ~15% of their steps under load)."""
+    if sys.version_info >= (3, 11):
+        return {"process_group": 0}
+    return {"preexec_fn": os.setpgrp}
 
 
 def bootstrap_env() -> dict:
