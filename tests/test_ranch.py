@@ -285,3 +285,13 @@ def test_script_without_main_guard(method, scripts):
     assert out.count("TOP-LEVEL-RAN") == 1, out
     assert f"TOP-LEVEL-RAN pid={proc.pid}" in out
     assert "RESULT [26, 27, 28]" in out
+
+
+def test_template_shutdown_frees_it_and_the_next_call_starts_a_new_one():
+    from mpify_nb import template
+
+    old_pid = template.get_template().pid
+    template.shutdown()
+    assert not os.path.exists(f"/proc/{old_pid}") or open(f"/proc/{old_pid}/stat").read().split()[2] == "Z"
+    assert [r for r, _ in mpify_nb.ranch(2, hr.rank_and_identity)] == [0, 1]
+    assert template.get_template().pid != old_pid

@@ -219,10 +219,6 @@ class TemplateClient:
             self._cond.wait_for(lambda: pid in self._exited or self._dead, timeout)
             return self._exited.pop(pid, None)
 
-    def forget(self, pid: int) -> None:
-        with self._cond:
-            self._exited.pop(pid, None)
-
     def close(self) -> None:
         """Stop the template; the ranks it still has die with it."""
         self._dead = True
