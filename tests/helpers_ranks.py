@@ -128,11 +128,11 @@ def probe_callers_world(module: str) -> tuple[Optional[str], str, str]:
 
 
 def use_import_star() -> tuple[bool, str]:
-    """import_star into this rank's __main__ and into a given namespace."""
+    """import_star into the calling function's globals (here: this module's) and into a given namespace."""
     from mpify_nb import import_star
 
     import_star("json")
-    in_main = "dumps" in vars(sys.modules["__main__"]) and "JSONDecoder" in vars(sys.modules["__main__"])
+    in_main = "dumps" in globals() and "JSONDecoder" in globals()
     ns: dict = {}
     import_star(["json", "os.path"], ns)
     return in_main, ns["dumps"]({"joined": ns["join"]("a", "b")})

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -295,3 +297,12 @@ def test_template_shutdown_frees_it_and_the_next_call_starts_a_new_one():
     assert not os.path.exists(f"/proc/{old_pid}") or open(f"/proc/{old_pid}/stat").read().split()[2] == "Z"
     assert [r for r, _ in mpify_nb.ranch(2, hr.rank_and_identity)] == [0, 1]
     assert template.get_template().pid != old_pid
+
+
+def test_need_imports_and_import_star_reach_a_main_function_and_its_helpers():
+    """A __main__ function travels with its own globals: names that only need=, imports= and
+    import_star give (the caller never defines them) must still reach it and its helpers."""
+    script = Path(__file__).parent / "scripts" / "notebook_like_imports.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str([[6.0, 4.0, "given by need="]] * 2)

@@ -9,18 +9,19 @@ from typing import Optional, Union
 
 
 def import_star(modules: Union[str, Iterable[str]], ns: Optional[dict] = None) -> None:
-    """Do ``from <mod> import *`` for each module, into ``ns`` (default: ``__main__``'s globals).
+    """Do ``from <mod> import *`` for each module, into ``ns``: by default the globals of
+    the code that calls it (a notebook cell's are the notebook's, a function's are its own).
 
-    Inside a rank this fills the rank's ``__main__``; typical use is in a function run by ranch::
+    Typical use is inside a function run by ranch::
 
         def train():
-            import_star(["fastai.vision.all"])
+            import_star(["torch.nn.functional"])   # relu, softmax... now globals of train
             ...
     """
     if isinstance(modules, str):
         modules = [modules]
     if ns is None:
-        ns = sys.modules["__main__"].__dict__
+        ns = sys._getframe(1).f_globals
     for name in modules:
         module = importlib.import_module(name)
         public = getattr(module, "__all__", None)
