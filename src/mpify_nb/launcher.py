@@ -438,9 +438,10 @@ class _Call:
                 restore_signals()
 
     def _some_rank_stirred(self) -> bool:
-        """Has a rank died, or sent something not yet read?"""
-        fds = [r.process.death_fd for r in self.ranks.values() if r.process.death_fd is not None]
-        fds += [r.channel for r in self.ranks.values() if r.channel_open]
+        """Has a rank that is still running died, or sent something not yet read?"""
+        running = [r for r in self.ranks.values() if not r.done]
+        fds = [r.process.death_fd for r in running if r.process.death_fd is not None]
+        fds += [r.channel for r in running if r.channel_open]
         return bool(fds) and bool(select.select(fds, [], [], 0)[0])
 
     def _take_sigint(self) -> Callable[[], None]:

@@ -110,8 +110,7 @@ class OutputRelay:
                 if key.data is not None:
                     self._read(key.fd, key.data)  # whatever is there now
                     self._finish(key.fd, key.data)
-            self._stopping = True
-        if self._thread.is_alive():
+        if self._thread.is_alive():  # it leaves once nothing is watched
             self._thread.join()
         self._untrack()
         self._selector.close()
