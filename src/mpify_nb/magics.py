@@ -155,7 +155,7 @@ class _Scan:
                 self.block(handler.body, bound | ({handler.name} if handler.name else set()))
             self.block(stmt.orelse, after_body)
             return self.block(stmt.finalbody, bound)
-        if isinstance(stmt, ast.Match):
+        if isinstance(stmt, getattr(ast, "Match", ())):  # Python 3.10+
             self.reads(stmt.subject, bound)
             for case in stmt.cases:
                 self.reads(case.pattern, bound)  # value patterns like `case Color.RED`
