@@ -338,12 +338,7 @@ class _Call:
                 self.selector.unregister(handle.process.death_fd)
             except (KeyError, ValueError):
                 pass
-        # It may have answered just before dying: read what it sent first.
-        handle.channel.settimeout(1.0)
-        while not handle.done and handle.channel_open:
-            if not select.select([handle.channel], [], [], 0)[0]:
-                break
-            self._on_message(handle)
+        self._read_sent(handle)  # it may have answered just before dying
         if handle.done:
             return
         handle.done = True
@@ -375,11 +370,15 @@ class _Call:
         rank sent before a peer's echo of it must not be lost."""
         self.aborting = self.failure is not None or self.interrupted
         for handle in self.ranks.values():
-            handle.channel.settimeout(1.0)  # a message cut short by a kill must not stall us
-            while handle.channel_open and not handle.done:
-                if not select.select([handle.channel], [], [], 0)[0]:
-                    break
-                self._on_message(handle)
+            self._read_sent(handle)
+
+    def _read_sent(self, handle: _Rank) -> None:
+        """Handle the messages ``handle`` has already sent, without waiting for more."""
+        handle.channel.settimeout(1.0)  # a message cut short by a kill must not stall us
+        while handle.channel_open and not handle.done:
+            if not select.select([handle.channel], [], [], 0)[0]:
+                break
+            self._on_message(handle)
 
     def _kill_all(self) -> None:
         for handle in self.ranks.values():
