@@ -1,14 +1,21 @@
-"""nox sessions: tests, lint, bench.
+"""nox sessions: tests, lint, typecheck, package, bench.
 
 torch is installed first, pinned to the CPU wheel this project is tested with
 (an unpinned torch would pull a multi-GB CUDA build); the package itself only
 asks for a range, so users bring their own torch.
+
+``.ci/run`` runs the README's test command, then ``nox -s lint typecheck package``.
 """
+
+from __future__ import annotations
+
+import glob
+import os
 
 import nox
 
 TORCH = "torch==2.13.0"
-nox.options.sessions = ["tests", "lint"]
+nox.options.sessions = ["tests", "lint", "typecheck", "package"]
 
 
 @nox.session
@@ -22,6 +29,38 @@ def tests(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     session.install("ruff")
     session.run("ruff", "check", "src", "tests", "benchmarks", "examples", "noxfile.py")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """pyright over src/ with the settings in pyproject.toml ([tool.pyright])."""
+    session.install(TORCH)
+    session.install("-e", ".", "pyright")
+    session.run("pyright", *session.posargs)
+
+
+@nox.session
+def package(session: nox.Session) -> None:
+    """Build the sdist and wheel, check them, install the wheel (not the tree) and run the demo."""
+    session.install("build", "twine")
+    tmp = os.path.abspath(session.create_tmp())
+    dist = os.path.join(tmp, "dist")
+    session.run("python", "-m", "build", "--outdir", dist)
+    built = sorted(glob.glob(os.path.join(dist, "*")))
+    session.run("twine", "check", "--strict", *built)
+    wheel = next(path for path in built if path.endswith(".whl"))
+    # A fresh venv of its own: the wheel alone must carry what the demo needs.
+    venv = os.path.join(tmp, "wheel-venv")
+    session.run("python", "-m", "venv", "--clear", venv)
+    python = os.path.join(venv, "bin", "python")
+    session.run(python, "-m", "pip", "install", "-q", TORCH, wheel, external=True)
+    demo = os.path.abspath("examples/demo.py")
+    # Run from outside the checkout, so `import mpify_nb` can only find the installed wheel.
+    with session.chdir(tmp):
+        session.run(python, "-c", "import mpify_nb, importlib.metadata as m; "
+                    "assert mpify_nb.__version__ == m.version('mpify_nb'), 'version mismatch'; "
+                    "print('installed', mpify_nb.__file__, mpify_nb.__version__)", external=True)
+        session.run(python, demo, external=True)
 
 
 @nox.session
