@@ -27,7 +27,7 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    session.install("ruff")
+    session.install("ruff==0.17.6")  # pinned: a new ruff brings new rules
     session.run("ruff", "check", "src", "tests", "benchmarks", "examples", "noxfile.py")
 
 
@@ -35,7 +35,7 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     """pyright over src/ with the settings in pyproject.toml ([tool.pyright])."""
     session.install(TORCH)
-    session.install("-e", ".", "pyright")
+    session.install("-e", ".", "pyright==1.1.414")
     session.run("pyright", *session.posargs)
 
 
