@@ -390,3 +390,66 @@ class DiesBeforeJoining(TorchDDPCtx):
             time.sleep(0.5)  # the others are in the rendezvous by now
             os.kill(os.getpid(), signal.SIGKILL)
         return super().__enter__()
+
+
+# -- processes a rank starts (for the cleanup tests) ---------------------------------------
+
+#: DataLoaders a rank keeps in a global, so their workers outlive the function.
+KEPT_LOADERS: list = []
+
+
+def start_descendant(how: str) -> list[tuple[int, int]]:
+    """Start a process the way ``how`` says, from this rank; return the identities of what
+    now runs (the descendant that should be gone after the call)."""
+    import subprocess
+
+    if how == "popen":
+        return [identity_of(subprocess.Popen(["sleep", "300"]).pid)]
+    if how == "fork":
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(300)
+            os._exit(0)
+        return [identity_of(pid)]
+    if how == "mp_daemon":
+        import multiprocessing
+
+        proc = multiprocessing.get_context("fork").Process(target=time.sleep, args=(300,), daemon=True)
+        proc.start()
+        return [identity_of(proc.pid)]
+    if how == "double_fork_new_session":
+        # The shell exits at once: its sleep is an orphan in a session of its own.
+        out = subprocess.run(["setsid", "sh", "-c", "sleep 300 >/dev/null 2>&1 & echo $!"],
+                             capture_output=True, text=True, check=True).stdout
+        return [identity_of(int(out.split()[0]))]
+    if how == "dataloader":
+        import torch
+
+        data = torch.utils.data.TensorDataset(torch.arange(16.0))
+        loader = torch.utils.data.DataLoader(data, batch_size=4, num_workers=2, persistent_workers=True)
+        iterator = iter(loader)
+        next(iterator)
+        KEPT_LOADERS.append((loader, iterator))
+        return [identity_of(w.pid) for w in iterator._workers]
+    raise ValueError(how)
+
+
+def identity_of(pid: int) -> tuple[int, int]:
+    start = start_time(pid)
+    assert start is not None, f"process {pid} is already gone"
+    return pid, start
+
+
+def leave_descendants(directory: str, how: str, end: str, ranks: tuple = (1,)):
+    """On ``ranks``: start descendants, write their identities to ``directory/desc-<rank>.json``,
+    then end as ``end`` says: "return", "raise", or "hang" (until the call's timeout)."""
+    if rank() not in ranks:
+        return None
+    idents = start_descendant(how)
+    path = Path(directory) / f"desc-{rank()}.json"
+    path.write_text(json.dumps(idents))
+    if end == "raise":
+        raise RuntimeError("failing on purpose, with descendants running")
+    if end == "hang":
+        time.sleep(300)
+    return idents

@@ -497,6 +497,12 @@ class _Call:
         for handle in self.ranks.values():
             if handle.process.exit_code(timeout=5.0) is None:
                 handle.process.wait_gone(timeout=5.0)  # e.g. its template died: no exit code
+            # A rank that was killed could not end what it started; its process group can
+            # be (a rank leads its own). The group's id is not reused while a member lives.
+            try:
+                os.killpg(handle.process.pid, signal.SIGKILL)
+            except OSError:
+                pass
             handle.close()
 
 

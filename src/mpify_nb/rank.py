@@ -31,7 +31,10 @@ import signal
 import socket
 import sys
 import threading
+import time
 import types
+from collections.abc import Collection
+from typing import NoReturn, Optional
 
 from . import payload, wire
 from .errors import RemoteFailure
@@ -45,6 +48,15 @@ ERROR = b"E"
 def main(channel_fd: int, expected_parent: int) -> None:
     """Run one rank to completion on the socket ``channel_fd``; never returns."""
     _die_with_parent(expected_parent)
+    # Whatever the user's code starts (subprocesses, DataLoader workers, daemons that fork
+    # twice) stays below this process: orphans are re-parented to us, not to init, so
+    # _exit() finds and kills them all. A process group of its own lets the caller kill
+    # what is left if we are killed before we can.
+    become_subreaper()
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        pass
     channel = socket.socket(fileno=channel_fd)
     _line_buffered_stdio()
     faulthandler.enable()  # a segfault prints the Python stack to stderr, which the caller relays
@@ -168,7 +180,76 @@ def _watch_caller(channel: socket.socket) -> None:
         pass
     # The caller closed its end: it is gone, or it gave up on this call.
     _flush_stdio()
+    kill_descendants()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def become_subreaper() -> None:
+    """Orphans below this process are re-parented to it, not to init (PR_SET_CHILD_SUBREAPER)."""
+    _prctl(36, 1)
+
+
+def children_of(pid: int) -> list[int]:
+    """The live children of ``pid`` (zombies excluded: they hold nothing)."""
+    kids: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return kids
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                kids.extend(int(k) for k in f.read().split())
+        except OSError:
+            continue
+    return [k for k in kids if _state(k) not in (b"Z", b"X", None)]
+
+
+def _state(pid: int) -> Optional[bytes]:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rfind(b")") + 2:].split(b" ", 1)[0]
+
+
+def kill_descendants(pid: Optional[int] = None, spare: Collection[int] = (), reap: bool = True) -> list[int]:
+    """SIGKILL every live process below ``pid`` (default: this one), at any depth, except
+    the subtrees rooted at ``spare``; return the pids killed. Looks again until nothing is
+    left, since a process may fork while we look. ``reap``: also reap this process's
+    zombie children (only where no one else waits for them: a rank about to exit)."""
+    root = os.getpid() if pid is None else pid
+    killed: list[int] = []
+    for _ in range(50):
+        found, stack = [], [k for k in children_of(root) if k not in spare]
+        while stack:
+            p = stack.pop()
+            found.append(p)
+            stack.extend(children_of(p))
+        if not found:
+            break
+        for p in found:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        killed.extend(p for p in found if p not in killed)
+        time.sleep(0.001)  # let the kills land before looking again
+    if reap:
+        _reap_orphans()
+    return killed
+
+
+def _reap_orphans() -> None:
+    # Killed descendants re-parented to us (we are a subreaper) are our zombies now.
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
 
 
 def _prctl(option: int, arg) -> bool:
@@ -212,8 +293,9 @@ def _flush_stdio() -> None:
             pass
 
 
-def _exit(code: int) -> None:
+def _exit(code: int) -> NoReturn:
     _flush_stdio()
+    kill_descendants()  # nothing this rank started outlives it
     os._exit(code)
 
 

@@ -34,7 +34,7 @@ import socket
 import subprocess
 import sys
 import threading
-from typing import Optional
+from typing import NoReturn, Optional
 
 from . import wire
 
@@ -63,6 +63,9 @@ def serve(control_fd: int) -> None:
     from . import rank  # imported now so each fork has it for free
 
     rank.set_process_name("mpify_nb-tmpl")
+    # A rank killed before it could clean up leaves its children to us, not to init:
+    # _reap() then kills them (see rank.kill_descendants).
+    rank.become_subreaper()
     # Everything imported so far is shared by every rank: keep the garbage collector off it.
     # Ranks then neither spend CPU scanning it nor copy its pages by touching GC headers.
     gc.collect()
@@ -76,12 +79,8 @@ def serve(control_fd: int) -> None:
 
     children: set[int] = set()
 
-    def caller_gone() -> None:
-        for pid in children:  # its ranks go with it
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    def caller_gone() -> NoReturn:
+        rank.kill_descendants(reap=False)  # its ranks, and all they started, go with it
         os._exit(0)
 
     def reply(*message) -> None:
@@ -101,6 +100,10 @@ def serve(control_fd: int) -> None:
                     os.read(child_r, 4096)
                 except BlockingIOError:
                     pass
+                # Any child of ours that is not a rank was adopted from a rank that died: end
+                # it and its tree before reporting that rank's exit, so when a call is over
+                # nothing its ranks started is left.
+                rank.kill_descendants(spare=children, reap=False)
                 _reap(reply, children)
                 continue
             try:
@@ -121,15 +124,16 @@ def serve(control_fd: int) -> None:
 
 
 def _reap(reply, children: set[int]) -> None:
-    while children:
+    while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             return
-        children.discard(pid)
-        reply(_EXITED, pid, os.waitstatus_to_exitcode(status))
+        if pid in children:  # not an orphan adopted from a rank
+            children.discard(pid)
+            reply(_EXITED, pid, os.waitstatus_to_exitcode(status))
 
 
 def _become_rank(fds: list[int], control, child_r: int, child_w: int) -> None:
@@ -223,7 +227,10 @@ class TemplateClient:
         """Stop the template; the ranks it still has die with it."""
         self._dead = True
         try:
-            self._control.close()
+            # shutdown, not just close: our reader thread is blocked in recv() on this socket,
+            # and a close() under it leaves the connection open, so the template would never
+            # see its end and we would wait out the grace period below.
+            self._control.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         try:
@@ -232,6 +239,7 @@ class TemplateClient:
             self._proc.kill()
             self._proc.wait()
         self._reader.join(timeout=5)
+        self._control.close()
 
     def _read_replies(self) -> None:
         try:
@@ -278,6 +286,12 @@ def prewarm() -> None:
         get_template()
     except Exception:
         pass  # the first call will try again and report what is wrong
+
+
+def current_pid() -> Optional[int]:
+    """The pid of the running template, if any (without starting one)."""
+    client = _client
+    return client.pid if client is not None and client.alive() else None
 
 
 def shutdown() -> None:
