@@ -34,6 +34,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from typing import Any, Callable, Optional
 
 from . import ddp, payload, placement, wire
@@ -140,6 +141,27 @@ class _Rank:
     def close(self) -> None:
         self.channel.close()
         self.process.close()
+
+
+#: Calls whose SIGINT handler is installed, for the fork handler below.
+_calls_taking_sigint: weakref.WeakSet[_Call] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A fork of the caller during a call (DataLoader workers on rank 0) inherits our SIGINT
+    handler and wakeup fd, and maybe our lock held by the watch thread. The child is not
+    the caller: give it Python's defaults back, so an interrupt there is its own business."""
+    for call in list(_calls_taking_sigint):
+        call.cond = threading.Condition()
+        try:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        except ValueError:
+            pass  # forked from another thread than the main one: nothing of ours was there
+    _calls_taking_sigint.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _Call:
@@ -460,8 +482,10 @@ class _Call:
 
         old_handler = signal.signal(signal.SIGINT, on_sigint)
         old_wakeup = signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
+        _calls_taking_sigint.add(self)
 
         def restore() -> None:
+            _calls_taking_sigint.discard(self)
             signal.set_wakeup_fd(old_wakeup, warn_on_full_buffer=False)
             signal.signal(signal.SIGINT, old_handler)
 

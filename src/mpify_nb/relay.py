@@ -23,6 +23,7 @@ import re
 import selectors
 import sys
 import threading
+import weakref
 from typing import TextIO
 
 _CHUNK = 1 << 16
@@ -54,6 +55,25 @@ class _LineTracker:
 
     def __getattr__(self, name: str):
         return getattr(self._stream, name)
+
+
+#: Relays running in this process, for the fork handler below.
+_running: weakref.WeakSet[OutputRelay] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """The caller's own rank may fork (DataLoader workers on rank 0) while the relay thread
+    holds the lock its trackers share; the child would inherit it locked, and its first
+    print would block forever. The relay thread does not exist in the child: give the
+    child's trackers a lock of their own, and no line to wait for."""
+    for relay in list(_running):
+        relay._cond = threading.Condition()
+        for tracker in relay._trackers:
+            tracker._cond = relay._cond
+            tracker.mid_line = False
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class OutputRelay:
@@ -88,6 +108,7 @@ class OutputRelay:
     def start(self) -> None:
         """Start relaying; the caller's sys.stdout/sys.stderr are tracked until close()."""
         self._started = True
+        _running.add(self)
         self._thread.start()
         sys.stdout, sys.stderr = self._trackers
 
@@ -113,6 +134,7 @@ class OutputRelay:
         if self._thread.is_alive():  # it leaves once nothing is watched
             self._thread.join()
         self._untrack()
+        _running.discard(self)
         self._selector.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
