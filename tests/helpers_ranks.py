@@ -453,3 +453,14 @@ def leave_descendants(directory: str, how: str, end: str, ranks: tuple = (1,)):
     if end == "hang":
         time.sleep(300)
     return idents
+
+
+def many_big_tensors(count: int) -> dict:
+    """A state_dict-like mapping of ``count`` tensors of 1 MiB each (shared memory, one fd each)."""
+    import torch
+
+    return {f"w{i}": torch.full((1 << 18,), float(i)) for i in range(count)}
+
+
+def checksum_tensors(tensors: dict) -> float:
+    return sum(float(t[0]) + float(t[-1]) for t in tensors.values())

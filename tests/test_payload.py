@@ -128,6 +128,15 @@ def test_big_tensor_passed_twice_stays_one_tensor():
     assert [same for same, _ in mpify_nb.ranch(2, hr.nested_identity, tree, caller_rank=None)] == [True, True]
 
 
+@pytest.mark.parametrize("count", [260, 600])
+def test_any_number_of_big_tensors_both_ways(count):
+    # One sendmsg carries at most 253 fds: 260 failed both ways before they went in batches.
+    returned = mpify_nb.ranch(2, hr.many_big_tensors, count)[1]
+    assert len(returned) == count and float(returned[f"w{count - 1}"][0]) == count - 1
+    expected = 2.0 * sum(range(count))
+    assert mpify_nb.ranch(2, hr.checksum_tensors, returned) == [expected, expected]
+
+
 # -- what cannot travel -------------------------------------------------------------------------
 
 def test_unpicklable_argument():

@@ -6,18 +6,24 @@ only the rank this call started can ever answer on that channel.
 
 A message is a 12-byte header (payload length, number of fds) followed by the
 payload bytes. File descriptors ride as SCM_RIGHTS on the header: that is how
-big tensors move as shared memory (memfd) instead of bytes.
+big tensors move as shared memory (memfd) instead of bytes. One sendmsg carries
+at most 253 of them (SCM_MAX_FD), so the rest follow in batches, each on a
+one-byte marker sent between the header and the payload::
+
+    header (length, nfds) + fds[0:253] | marker + fds[253:506] | ... | payload
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 from collections.abc import Sequence
 from typing import Optional
 
 _HEADER = struct.Struct("!QI")
-_MAX_FDS = 253  # SCM_MAX_FD on Linux
+_MAX_FDS = 253  # SCM_MAX_FD on Linux: the most fds one sendmsg can carry
+_MARKER = b"+"
 
 
 def socketpair() -> tuple[socket.socket, socket.socket]:
@@ -26,17 +32,22 @@ def socketpair() -> tuple[socket.socket, socket.socket]:
 
 def send(sock: socket.socket, data: bytes, fds: Sequence[int] = ()) -> None:
     """Send one message; raises OSError (BrokenPipeError...) if the peer is gone."""
-    if len(fds) > _MAX_FDS:
-        raise ValueError(f"at most {_MAX_FDS} file descriptors fit in one message, not {len(fds)}")
+    fds = list(fds)
     header = _HEADER.pack(len(data), len(fds))
-    sent = socket.send_fds(sock, [header], list(fds)) if fds else sock.send(header)
-    if sent < len(header):
-        sock.sendall(header[sent:])
+    _send_with_fds(sock, header, fds[:_MAX_FDS])
+    for start in range(_MAX_FDS, len(fds), _MAX_FDS):
+        _send_with_fds(sock, _MARKER, fds[start:start + _MAX_FDS])
     if data:
         sock.sendall(data)
 
 
-def recv(sock: socket.socket) -> Optional[tuple[bytes, list[int]]]:
+def _send_with_fds(sock: socket.socket, data: bytes, fds: list[int]) -> None:
+    sent = socket.send_fds(sock, [data], fds) if fds else sock.send(data)
+    if sent < len(data):
+        sock.sendall(data[sent:])  # the fds went with the first byte
+
+
+def recv(sock: socket.socket) -> Optional[tuple[bytes | bytearray, list[int]]]:
     """Receive one message as (payload, fds); None when the peer closed before a new one."""
     head, fds, _flags, _addr = socket.recv_fds(sock, _HEADER.size, _MAX_FDS, socket.MSG_CMSG_CLOEXEC)
     if not head:
@@ -44,12 +55,24 @@ def recv(sock: socket.socket) -> Optional[tuple[bytes, list[int]]]:
     if len(head) < _HEADER.size:
         head += _recv_exact(sock, _HEADER.size - len(head))
     length, nfds = _HEADER.unpack(head)
-    if len(fds) != nfds:
-        raise ConnectionError(f"expected {nfds} file descriptors with the message, got {len(fds)}")
+    try:
+        while len(fds) < nfds and len(fds) % _MAX_FDS == 0:
+            marker, more, _flags, _addr = socket.recv_fds(sock, 1, _MAX_FDS, socket.MSG_CMSG_CLOEXEC)
+            if marker != _MARKER:
+                raise ConnectionError("a message's file descriptors were cut short")
+            fds.extend(more)
+            if not more:
+                break
+        if len(fds) != nfds:
+            raise ConnectionError(f"expected {nfds} file descriptors with the message, got {len(fds)}")
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
     return _recv_exact(sock, length), fds
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int) -> bytes | bytearray:
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
