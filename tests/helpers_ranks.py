@@ -464,3 +464,16 @@ def many_big_tensors(count: int) -> dict:
 
 def checksum_tensors(tensors: dict) -> float:
     return sum(float(t[0]) + float(t[-1]) for t in tensors.values())
+
+
+class StrExplodes(Exception):
+    """An exception whose message cannot be had: its __str__ raises."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("__str__ exploded")
+
+
+def raise_str_exploding(ranks: tuple) -> int:
+    if rank() in ranks:
+        raise StrExplodes("the payload")
+    return rank()

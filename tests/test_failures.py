@@ -380,3 +380,31 @@ def test_listening_sockets_are_loopback_only():
     assert everything, "no listening socket found: the check itself is broken"
     hosts = {address.rsplit(":", 1)[0] for address in everything}
     assert hosts <= {"127.0.0.1", "::1"}, f"ranks listen on {sorted(everything)}"
+
+
+# -- errors are never lost ------------------------------------------------------------------
+
+@pytest.mark.parametrize("failing", [1, 0])
+def test_exception_whose_str_raises_is_reported_with_its_traceback(failing):
+    with pytest.raises(RankRaisedError) as info:
+        mpify_nb.ranch(2, hr.raise_str_exploding, (failing,))
+    error = info.value
+    assert error.rank == failing
+    assert error.exc_type.endswith("StrExplodes")
+    assert "__str__ exploded" in error.exc_message
+    assert "in raise_str_exploding" in error.remote_traceback
+    assert_next_call_works()
+
+
+def test_deleted_working_directory_is_named_before_any_rank_starts(tmp_path):
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    here = os.getcwd()
+    os.chdir(gone)
+    try:
+        gone.rmdir()
+        with pytest.raises(FileNotFoundError, match="working directory no longer exists"):
+            mpify_nb.ranch(2, hr.rank)
+    finally:
+        os.chdir(here)
+    assert_next_call_works()

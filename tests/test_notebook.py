@@ -98,6 +98,17 @@ def test_cell_defined_function_uses_notebook_imports_constants_and_helpers(noteb
     assert "launcher (0, 3, [1, 7])" in nbutil.stream_text(cells[5])
 
 
+def test_imports_reach_the_callers_rank_too(notebook):
+    cells = notebook([
+        PRELUDE,
+        "def uses_np():\n    return int(np.arange(4).sum()) + int(os.environ['RANK'])",
+        "print(ranch(2, uses_np, imports='import numpy as np'))",
+        "print(np.__name__)",  # as with mpify: the notebook keeps what imports= imported
+    ])
+    assert nbutil.stream_text(cells[2]) == "[6, 7]\n"
+    assert nbutil.stream_text(cells[3]) == "numpy\n"
+
+
 def test_lambda_closure_and_notebook_class_travel_both_ways(notebook):
     cells = notebook([
         PRELUDE,

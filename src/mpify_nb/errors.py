@@ -136,7 +136,7 @@ class RemoteFailure:
             blob = dumps(exc)
         except Exception:
             blob = None
-        return cls(_qualified_name(type(exc)), str(exc), frames, chain, blob)
+        return cls(_qualified_name(type(exc)), safe_str(exc), frames, chain, blob)
 
     def format(self) -> str:
         """Format like Python does, with source lines taken from this process's linecache
@@ -162,6 +162,19 @@ class RemoteFailure:
             if isinstance(original, BaseException):
                 err.__cause__ = original
         return err
+
+
+def safe_str(exc: BaseException) -> str:
+    """``str(exc)``, even when the exception's own ``__str__`` raises: the error being
+    reported matters more than its message."""
+    try:
+        return str(exc)
+    except Exception as e:
+        try:
+            why = f"{type(e).__name__}: {e}"
+        except Exception:
+            why = type(e).__name__
+        return f"<str() of this {type(exc).__name__} raised {why}>"
 
 
 def _qualified_name(tp: type) -> str:

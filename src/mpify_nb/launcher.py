@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional
 
 from . import ddp, payload, placement, wire
 from . import rank as rank_module
-from .errors import PayloadError, RankError, RankExitedError, RemoteFailure
+from .errors import PayloadError, RankError, RankExitedError, RemoteFailure, safe_str
 from .relay import OutputRelay
 
 # Seconds a finished rank may take to exit after sending its value before it is killed.
@@ -73,7 +73,8 @@ def ranch(
             False: return only the caller's own value (None if it plays no rank).
         ctx: a context manager entered around ``fn`` on every rank, e.g. ``in_torchddp()``.
         need: names of ``__main__`` globals to define on every rank (mpify compatibility).
-        imports: import statements to run in every rank's ``__main__`` first (mpify compatibility).
+        imports: import statements to run in every rank's ``__main__`` first (mpify compatibility);
+            on the caller's rank too, so the notebook keeps the names they import.
         timeout: seconds for the whole call; past it every rank is stopped and
             ``TimeoutError`` is raised.
 
@@ -94,11 +95,12 @@ def ranch(
         ranch(3, square, 4)        # -> [tensor(16), tensor(17), tensor(18)]
     """
     _check_arguments(nprocs, fn, caller_rank, ctx, timeout)
+    _check_working_directory()
     prepare = getattr(ctx, "_mpify_prepare", None)
     if prepare is not None:
         prepare(nprocs, caller_rank)  # the ctx validates its options here, before anything starts
     packed = payload.pack_call(fn, args, kwargs, ctx, need, imports)  # PayloadError: nothing started yet
-    values = _Call(nprocs, caller_rank, timeout).run(packed, fn, args, kwargs, ctx)
+    values = _Call(nprocs, caller_rank, timeout, imports).run(packed, fn, args, kwargs, ctx)
     if gather:
         return values
     return None if caller_rank is None else values[caller_rank]
@@ -120,6 +122,17 @@ def _check_arguments(nprocs, fn, caller_rank, ctx, timeout) -> None:
         )
     if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
         raise ValueError(f"timeout must be a positive number of seconds or None, not {timeout!r}")
+
+
+def _check_working_directory() -> None:
+    # Ranks start in the caller's working directory; a deleted one has no path to give them.
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            "ranch: this process's working directory no longer exists (deleted or unmounted), so "
+            "the ranks cannot start in it; os.chdir() to an existing directory and call again"
+        ) from None
 
 
 class _Aborted(BaseException):
@@ -165,8 +178,9 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _Call:
-    def __init__(self, nprocs: int, caller_rank: Optional[int], timeout: Optional[float]):
+    def __init__(self, nprocs: int, caller_rank: Optional[int], timeout: Optional[float], imports: str = ""):
         self.nprocs = nprocs
+        self.imports = imports
         self.caller_rank = caller_rank
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.timeout = timeout
@@ -347,7 +361,7 @@ class _Call:
                 handle.value = payload.unpack_result(body, fds)
             except Exception as e:
                 self._fail(RankError(handle.rank, f"the value returned by rank {handle.rank} could not be "
-                                                  f"unpickled here: {type(e).__name__}: {e}"))
+                                                  f"unpickled here: {type(e).__name__}: {safe_str(e)}"))
         elif kind == rank_module.ERROR:
             handle.done = True
             payload.close_fds(fds)
@@ -429,6 +443,9 @@ class _Call:
             try:
                 with self.cond:
                     self.in_user_code = True
+                if self.imports:
+                    # As on every other rank, in __main__: the notebook keeps these names (as with mpify).
+                    exec(compile(self.imports, "<imports>", "exec"), sys.modules["__main__"].__dict__)
                 if ctx is None:
                     return fn(*args, **kwargs)
                 with ctx:

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 
 import dill
 
-from .errors import PayloadError
+from .errors import PayloadError, safe_str
 
 SHARED_TENSOR_MIN_BYTES = 1 << 20
 
@@ -244,9 +244,9 @@ def _explain_pickling_failure(fn, args, kwargs, ctx, needed, error) -> PayloadEr
             close_fds(dumps(obj)[1])
             return None
         except Exception as e:
-            return f"{type(e).__name__}: {e}"
+            return f"{type(e).__name__}: {safe_str(e)}"
 
-    why = f"{type(error).__name__}: {error}"
+    why = f"{type(error).__name__}: {safe_str(error)}"
     candidates: list[tuple[str, Any]] = []
     for i, a in enumerate(args):
         candidates.append((f"argument {i} ({type(a).__name__})", a))

@@ -37,7 +37,7 @@ from collections.abc import Collection
 from typing import NoReturn, Optional
 
 from . import payload, wire
-from .errors import RemoteFailure
+from .errors import RemoteFailure, safe_str
 
 READY = b"R"
 GO = b"G"
@@ -161,7 +161,7 @@ def _share_main_names(fn, main_dict: dict) -> None:
 def _send_failure(channel, exc: BaseException, context: str = "") -> None:
     if context:
         try:
-            raise RuntimeError(f"{context}: {type(exc).__name__}: {exc}") from exc
+            raise RuntimeError(f"{context}: {type(exc).__name__}: {safe_str(exc)}") from exc
         except RuntimeError as wrapped:
             exc = wrapped
     failure = RemoteFailure.capture(exc, lambda e: payload.dumps(e)[0])
