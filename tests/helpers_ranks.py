@@ -477,3 +477,22 @@ def raise_str_exploding(ranks: tuple) -> int:
     if rank() in ranks:
         raise StrExplodes("the payload")
     return rank()
+
+
+def partial_line_then_wait(flag: str, seen_in) -> str:
+    """Rank 1 prints a partial line and waits (up to 30 s) for ``flag`` to exist; rank 0
+    watches ``seen_in()`` (the caller's captured output) for that line and creates ``flag``.
+    Returns how rank 1's wait ended."""
+    if rank() == 1:
+        print("working...", end="", flush=True)
+        deadline = time.monotonic() + 30
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        print(" done")
+        return "seen" if os.path.exists(flag) else "not seen"
+    deadline = time.monotonic() + 30
+    while "[rank 1] working..." not in seen_in() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if "[rank 1] working..." in seen_in():
+        Path(flag).touch()
+    return "watched"

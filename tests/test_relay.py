@@ -7,12 +7,15 @@ child: a worker that prints, warns or logs must never block.
 
 from __future__ import annotations
 
+import io
+import sys
+
 import pytest
 
-pytest.importorskip("nbclient")
-pytest.importorskip("ipykernel")
+import helpers_ranks as hr
+import mpify_nb
 
-import nbutil  # noqa: E402  (conftest puts tests/ on sys.path)
+nbutil = pytest.importorskip("nbutil")  # conftest puts tests/ on sys.path
 
 PRELUDE = "import os, sys, time\nfrom mpify_nb import ranch"
 
@@ -41,6 +44,18 @@ def load():
             batches += 1
     return batches
 '''
+
+
+def test_partial_line_is_shown_before_its_end(tmp_path, monkeypatch):
+    # Rank 1 waits for the caller to have shown its partial line: before partial lines were
+    # shown, it waited its full 30 s and the caller never saw the line in time.
+    captured = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", captured)
+    results = mpify_nb.ranch(2, hr.partial_line_then_wait, str(tmp_path / "flag"), captured.getvalue)
+    monkeypatch.undo()
+    assert results == ["watched", "seen"]
+    # Its end came on the same line: nobody else wrote meanwhile.
+    assert "[rank 1] working... done\n" in captured.getvalue()
 
 
 def test_rank_0_dataloader_workers_that_print_never_hang(notebook):

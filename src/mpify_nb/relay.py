@@ -6,10 +6,13 @@ caller's own ``sys.stdout``/``sys.stderr``, each line prefixed with its rank::
 
     [rank 1] epoch 0 loss 0.731
 
-A line ends at ``\\n`` or ``\\r`` (so progress bars redraw in place); a partial
-line is held until it is finished, or until the rank's pipe closes, so lines of
-different ranks never interleave mid-line. The pipes are always drained, so a
-rank can never block on a full pipe, and nothing is lost at exit.
+A line ends at ``\\n`` or ``\\r`` (so progress bars redraw in place). A partial
+line (``print("working...", end="", flush=True)``) is shown once it has waited
+``_PARTIAL_WAIT`` seconds for its end, and its end then continues it on the same
+line, unless another rank (or the caller) wrote meanwhile: then a newline closes
+the open line first and the rest comes on a new, labelled one. So output is live
+and lines of different ranks never interleave mid-line. The pipes are always
+drained, so a rank can never block on a full pipe, and nothing is lost at exit.
 
 The thread runs in a copy of the caller's ``contextvars`` context: ipykernel
 uses one to route output to the cell that started the call.
@@ -23,11 +26,13 @@ import re
 import selectors
 import sys
 import threading
+import time
 import weakref
-from typing import TextIO
+from typing import Optional, TextIO
 
 _CHUNK = 1 << 16
 _MID_LINE_WAIT = 0.5
+_PARTIAL_WAIT = 0.1  # how long a partial line waits for its end before it is shown
 _LINE = re.compile(r"[^\r\n]*(?:\r\n|\n|\r)")
 
 
@@ -39,9 +44,13 @@ class _LineTracker:
         self._stream = stream
         self._cond = cond
         self.mid_line = False
+        self.rank_line_open = False  # a rank's partial line is shown on this stream, unfinished
 
     def write(self, text: str) -> int:
         with self._cond:
+            if text and self.rank_line_open:
+                self._stream.write("\n")  # the caller's text starts on a line of its own
+                self.rank_line_open = False
             n = self._stream.write(text)
             if text:
                 self.mid_line = not text.endswith(("\n", "\r"))
@@ -83,6 +92,8 @@ class OutputRelay:
         self._trackers = (_LineTracker(stdout, self._cond), _LineTracker(stderr, self._cond))
         self._selector = selectors.DefaultSelector()
         self._pending: dict[int, bytes] = {}
+        self._partial_since: dict[int, float] = {}  # fd -> when its pending partial line began
+        self._open_line: list[Optional[int]] = [None, None]  # per stream: the fd whose line is open
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
@@ -151,8 +162,13 @@ class OutputRelay:
                 watched = [k for k in self._selector.get_map().values() if k.data is not None]
                 if self._stopping and not watched:
                     return
-            events = self._selector.select(timeout=0.2 if self._stopping else None)
             with self._lock:
+                wait = self._partial_wait()
+            if self._stopping:
+                wait = 0.2 if wait is None else min(wait, 0.2)
+            events = self._selector.select(timeout=wait)
+            with self._lock:
+                self._show_partials()
                 for key, _ in events:
                     if key.data is None:
                         try:
@@ -181,28 +197,78 @@ class OutputRelay:
         cut = max(buf.rfind(b"\n"), buf.rfind(b"\r")) + 1
         self._pending[fd] = buf[cut:]
         if cut:
-            self._write(where, buf[:cut])
+            self._write(fd, where, buf[:cut])
+        if not self._pending[fd]:
+            self._partial_since.pop(fd, None)
+        elif cut or fd not in self._partial_since:
+            self._partial_since[fd] = time.monotonic()
+
+    def _partial_wait(self) -> Optional[float]:
+        """Seconds until the oldest pending partial line is due to be shown (None: none)."""
+        if not self._partial_since:
+            return None
+        return max(0.0, min(self._partial_since.values()) + _PARTIAL_WAIT - time.monotonic())
+
+    def _show_partials(self) -> None:
+        now = time.monotonic()
+        for fd, since in list(self._partial_since.items()):
+            if now - since < _PARTIAL_WAIT:
+                continue
+            key = self._selector.get_map().get(fd)
+            buf = self._pending.get(fd, b"")
+            shown = _whole_characters(buf)
+            if key is None or not shown:
+                continue
+            self._pending[fd] = buf[len(shown):]
+            del self._partial_since[fd]
+            self._write(fd, key.data, shown)
 
     def _finish(self, fd: int, where: tuple[int, int]) -> None:
         rest = self._pending.pop(fd, b"")
-        if rest:
-            self._write(where, rest + b"\n")
+        self._partial_since.pop(fd, None)
+        if rest or self._open_line[where[1]] == fd:
+            self._write(fd, where, rest + b"\n")
         self._selector.unregister(fd)
         os.close(fd)
 
-    def _write(self, where: tuple[int, int], data: bytes) -> None:
+    def _write(self, fd: int, where: tuple[int, int], data: bytes) -> None:
+        """Write ``data`` from ``fd``, labelled line by line. It may end mid-line (a partial
+        line shown): that line stays open for ``fd`` until its end comes, or someone else writes."""
         rank, stream = where
         prefix = f"[rank {rank}] "
         text = data.decode("utf-8", errors="replace")
         lines = _LINE.findall(text)
-        text = "".join(prefix + line for line in lines)
+        tail = text[sum(map(len, lines)):]
+        if tail:
+            lines.append(tail)
         target, tracker = self._targets[stream], self._trackers[stream]
         with self._cond:
+            continuing = self._open_line[stream] == fd and tracker.rank_line_open
             if tracker.mid_line and not self._cond.wait_for(lambda: not tracker.mid_line, _MID_LINE_WAIT):
-                text = "\n" + text  # the caller left a line open: start ours on a new one
                 tracker.mid_line = False
+                lead = "\n"  # the caller left a line open: start ours on a new one
+            elif not continuing and tracker.rank_line_open:
+                lead = "\n"  # another rank's line is open: close it
+            else:
+                lead = ""
+            text = lead + "".join(line if i == 0 and continuing else prefix + line for i, line in enumerate(lines))
+            still_open = bool(tail)
+            self._open_line[stream] = fd if still_open else None
+            tracker.rank_line_open = still_open
             try:
                 target.write(text)
                 target.flush()
             except Exception:
                 pass  # a closed or broken caller stream must not kill the relay (ranks would block)
+
+
+def _whole_characters(buf: bytes) -> bytes:
+    """The longest prefix of ``buf`` that does not end inside a UTF-8 character."""
+    for back in range(1, min(4, len(buf)) + 1):
+        byte = buf[-back]
+        if byte < 0x80:
+            return buf  # ASCII: whole
+        if byte >= 0xC0:  # the lead byte of a character: is it complete?
+            need = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+            return buf if back >= need else buf[:-back]
+    return buf
