@@ -34,6 +34,7 @@ from helpers_ranch import (  # noqa: F401  (method, scripts: fixtures)
     finish,
     leak_snapshot,
     method,
+    no_rank_started,
     records,
     scripts,
     start_script,
@@ -298,6 +299,7 @@ def test_template_killed_during_call(tmp_path):
         killer.join()
     assert time.monotonic() - started < NO_HANG
     assert info.value.rank in (1, 2)  # its ranks die with it
+    assert f"template process it was forked from (pid {old[0]}) died" in str(info.value)
     # Orphaned by the template's death: only init can reap them, so a zombie counts as gone.
     # With the template gone the caller cannot wait for their exit statuses; a rank may
     # still be in the middle of dying (SIGKILLed) when the call returns: allow it a moment.
@@ -407,4 +409,38 @@ def test_deleted_working_directory_is_named_before_any_rank_starts(tmp_path):
             mpify_nb.ranch(2, hr.rank)
     finally:
         os.chdir(here)
+    assert_next_call_works()
+
+
+# -- the call's limits --------------------------------------------------------------------
+
+def test_timeout_covers_starting_ranks_when_the_template_is_stopped():
+    assert_next_call_works()
+    old = current_template()
+    assert old is not None
+    os.kill(old[0], signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match="stopped"):
+            mpify_nb.ranch(2, hr.rank, timeout=3)
+    finally:
+        try:
+            os.kill(old[0], signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert time.monotonic() - started < NO_HANG
+    assert_gone([old], timeout=NO_HANG, what="template")  # replaced, not left stopped
+    assert_next_call_works()
+
+
+def test_more_ranks_than_file_descriptors_fails_at_once():
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        with no_rank_started(), pytest.raises(OSError, match="file descriptors"):
+            mpify_nb.ranch(1000, hr.rank)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert_next_call_works()

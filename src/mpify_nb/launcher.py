@@ -96,6 +96,7 @@ def ranch(
     """
     _check_arguments(nprocs, fn, caller_rank, ctx, timeout)
     _check_working_directory()
+    _check_capacity(nprocs - (caller_rank is not None))
     prepare = getattr(ctx, "_mpify_prepare", None)
     if prepare is not None:
         prepare(nprocs, caller_rank)  # the ctx validates its options here, before anything starts
@@ -133,6 +134,59 @@ def _check_working_directory() -> None:
             "ranch: this process's working directory no longer exists (deleted or unmounted), so "
             "the ranks cannot start in it; os.chdir() to an existing directory and call again"
         ) from None
+
+
+#: File descriptors the caller holds per started rank during a call: its channel end, the
+#: read ends of its stdout/stderr pipes, its pidfd; plus the one a fork request briefly passes.
+_FDS_PER_RANK = 5
+
+
+def _check_capacity(new_ranks: int) -> None:
+    """Fail at once, before starting anything, when this machine cannot hold the ranks asked for."""
+    import resource
+
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY:
+        try:
+            in_use = len(os.listdir("/proc/self/fd"))
+        except OSError:
+            in_use = 0
+        needed = new_ranks * _FDS_PER_RANK
+        if in_use + needed > soft:
+            raise OSError(
+                f"ranch: {new_ranks} new ranks need about {needed} file descriptors in this process, "
+                f"and only {max(0, soft - in_use)} of its limit of {soft} are free (ulimit -n); "
+                "ask for fewer ranks, or raise the limit with resource.setrlimit(resource.RLIMIT_NOFILE, ...)"
+            )
+    room = _process_room()
+    if room is not None and new_ranks > room:
+        raise OSError(f"ranch: {new_ranks} new ranks are more processes than this machine allows now "
+                      f"(room for about {room} more: pid_max, threads-max, the cgroup's pids.max)")
+
+
+def _process_room() -> Optional[int]:
+    """How many more processes can start here, by the tightest of the kernel's limits we can read."""
+    try:
+        running = sum(1 for entry in os.listdir("/proc") if entry.isdigit())
+    except OSError:
+        return None
+    rooms = []
+    for path in ("/proc/sys/kernel/pid_max", "/proc/sys/kernel/threads-max"):
+        try:
+            with open(path) as f:
+                rooms.append(int(f.read()) - running)
+        except (OSError, ValueError):
+            pass
+    try:
+        with open("/sys/fs/cgroup/pids.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/pids.current") as f:
+            current = int(f.read())
+        if limit != "max":
+            rooms.append(int(limit) - current)
+    except (OSError, ValueError):
+        pass
+    return min(rooms) if rooms else None
 
 
 class _Aborted(BaseException):
@@ -278,7 +332,10 @@ class _Call:
             ours, theirs = wire.socketpair()
             out_w, err_w = relay.add(r)
             try:
-                process = placer.start(r, theirs.fileno(), out_w, err_w)
+                process = placer.start(r, theirs.fileno(), out_w, err_w, self._time_left())
+            except TimeoutError as e:
+                ours.close()
+                raise TimeoutError(f"ranch: the call did not finish within {self.timeout:g} s: {e}") from None
             except BaseException:
                 ours.close()
                 raise
@@ -298,6 +355,9 @@ class _Call:
                 wire.send(handle.channel, packed.data, packed.fds)
             except OSError:
                 pass  # it died at birth; the watch reports how
+
+    def _time_left(self) -> Optional[float]:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
     # -- watching ranks ------------------------------------------------------------------
 
@@ -379,7 +439,8 @@ class _Call:
             return
         handle.done = True
         if not self.aborting:  # not one of the ranks we killed ourselves
-            self._fail(RankExitedError(handle.rank, handle.process.exit_code(timeout=2.0)))
+            code = handle.process.exit_code(timeout=2.0)
+            self._fail(RankExitedError(handle.rank, code, handle.process.death_detail()))
 
     def _fail(self, error: BaseException) -> None:
         """Record a failure. The first one stops the call; of several rank failures the

@@ -55,11 +55,15 @@ class RankProcess(Protocol):
     def kill(self) -> None: ...
     def wait_gone(self, timeout: float) -> bool: ...
     def exit_code(self, timeout: float) -> Optional[int]: ...
+    def death_detail(self) -> str: ...  # why it died, when its placer knows ("" otherwise)
     def close(self) -> None: ...
 
 
 class Placer(Protocol):
-    def start(self, rank: int, channel_fd: int, stdout_fd: int, stderr_fd: int) -> RankProcess: ...
+    def start(self, rank: int, channel_fd: int, stdout_fd: int, stderr_fd: int,
+              timeout: Optional[float] = None) -> RankProcess:
+        """Start ``rank``; raise TimeoutError if it cannot be started within ``timeout`` s."""
+        ...
 
 
 def get_placer() -> Placer:
@@ -98,6 +102,9 @@ class _Pidfd:
             os.close(self.death_fd)
             self.death_fd = None
 
+    def death_detail(self) -> str:
+        return ""
+
 
 class _ForkedRank(_Pidfd):
     def __init__(self, client: template.TemplateClient, pid: int):
@@ -110,19 +117,38 @@ class _ForkedRank(_Pidfd):
             self._code = self._client.exit_code(self.pid, timeout)
         return self._code
 
+    def death_detail(self) -> str:
+        if self._client.alive():
+            return ""
+        return f"the template process it was forked from (pid {self._client.pid}) died, and its ranks with it"
+
 
 class TemplatePlacer:
     def __init__(self) -> None:
         self._client = template.get_template()
 
-    def start(self, rank: int, channel_fd: int, stdout_fd: int, stderr_fd: int) -> RankProcess:
+    def start(self, rank: int, channel_fd: int, stdout_fd: int, stderr_fd: int,
+              timeout: Optional[float] = None) -> RankProcess:
+        fds = [channel_fd, stdout_fd, stderr_fd]
+        limit = _TEMPLATE_PATIENCE if timeout is None else timeout
         try:
-            pid = self._client.fork([channel_fd, stdout_fd, stderr_fd])
-        except template.TemplateDied:
-            # Died since we last used it (killed, OOM): one fresh template, then give up.
-            self._client = template.get_template()
-            pid = self._client.fork([channel_fd, stdout_fd, stderr_fd])
+            try:
+                pid = self._client.fork(fds, limit)
+            except template.TemplateUnresponsive:
+                raise
+            except template.TemplateDied:
+                # Died since we last used it (killed, OOM): one fresh template, then give up.
+                self._client = template.get_template()
+                pid = self._client.fork(fds, limit)
+        except template.TemplateUnresponsive as e:
+            if timeout is None:
+                raise
+            raise TimeoutError(f"rank {rank} could not be started within the call's timeout: {e}") from None
         return _ForkedRank(self._client, pid)
+
+
+#: Seconds a call without a timeout waits for the template to start (it imports torch) and fork.
+_TEMPLATE_PATIENCE = 120.0
 
 
 class _SpawnedRank(_Pidfd):
@@ -138,7 +164,8 @@ class _SpawnedRank(_Pidfd):
 
 
 class SpawnPlacer:
-    def start(self, rank: int, channel_fd: int, stdout_fd: int, stderr_fd: int) -> RankProcess:
+    def start(self, rank: int, channel_fd: int, stdout_fd: int, stderr_fd: int,
+              timeout: Optional[float] = None) -> RankProcess:
         proc = subprocess.Popen(
             [sys.executable, "-c",
              "import sys; from mpify_nb.rank import main; main(int(sys.argv[1]), int(sys.argv[2]))",

@@ -34,6 +34,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from typing import NoReturn, Optional
 
 from . import wire
@@ -160,7 +161,11 @@ def _become_rank(fds: list[int], control, child_r: int, child_w: int) -> None:
 # -- the caller's handle on it ------------------------------------------------------------
 
 class TemplateDied(RuntimeError):
-    pass
+    """The template process is gone, or stopped answering."""
+
+
+class TemplateUnresponsive(TemplateDied):
+    """The template did not answer in time (stopped, or starved): it has been replaced."""
 
 
 class TemplateClient:
@@ -201,8 +206,15 @@ class TemplateClient:
                 raise TemplateDied(f"the template process (pid {self.pid}) died while starting")
 
     def fork(self, fds: list[int], timeout: float = 30.0) -> int:
-        """Fork a rank holding ``fds`` = [channel, stdout, stderr]; return its pid."""
-        self.wait_ready()
+        """Fork a rank holding ``fds`` = [channel, stdout, stderr]; return its pid.
+        Raises TemplateUnresponsive (and kills the template) if it did not fork within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        try:
+            self.wait_ready(timeout)
+        except TemplateDied:
+            if self._dead:
+                raise
+            self._give_up(f"did not start within {timeout:.3g} s")
         with self._cond:
             request_id = self._next_id
             self._next_id += 1
@@ -212,10 +224,32 @@ class TemplateClient:
         except OSError as e:
             raise TemplateDied(f"the template process (pid {self.pid}) is gone: {e}") from None
         with self._cond:
-            self._cond.wait_for(lambda: request_id in self._forked or self._dead, timeout)
-            if request_id not in self._forked:
-                raise TemplateDied(f"the template process (pid {self.pid}) did not fork a rank")
-            return self._forked.pop(request_id)
+            self._cond.wait_for(lambda: request_id in self._forked or self._dead, max(0.0, deadline - time.monotonic()))
+            if request_id in self._forked:
+                return self._forked.pop(request_id)
+            if self._dead:
+                raise TemplateDied(f"the template process (pid {self.pid}) died ({self._how_it_ended()}) "
+                                   "before it could fork a rank")
+        self._give_up(f"did not fork a rank within {timeout:.3g} s")
+
+    def _give_up(self, what: str) -> NoReturn:
+        state = _process_state(self.pid)
+        stopped = " (it is stopped: SIGSTOP?)" if state == "T" else ""
+        self._proc.kill()  # the next call starts a fresh one
+        self.close()
+        raise TemplateUnresponsive(f"the template process (pid {self.pid}) {what}{stopped}; it was replaced")
+
+    def _how_it_ended(self) -> str:
+        try:
+            code = self._proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            return "its control socket closed"
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exit code {code}"
 
     def exit_code(self, pid: int, timeout: float) -> Optional[int]:
         """The exit code of a rank it forked (negative: killed by that signal); None if unknown."""
@@ -300,6 +334,14 @@ def shutdown() -> None:
         if _client is not None:
             _client.close()
             _client = None
+
+
+def _process_state(pid: int) -> Optional[str]:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def _env_signature() -> tuple:
