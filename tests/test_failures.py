@@ -444,3 +444,49 @@ def test_more_ranks_than_file_descriptors_fails_at_once():
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert_next_call_works()
+
+
+# -- threads ------------------------------------------------------------------------------
+
+WORLD_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "MPIFY_NB_STORE_RANK", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def _in_threads(calls: int, caller_rank) -> list:
+    outcomes: list = []
+
+    def worker() -> None:
+        for _ in range(calls):
+            try:
+                outcomes.append(mpify_nb.ranch(2, hr.rank, caller_rank=caller_rank))
+            except RuntimeError as e:
+                outcomes.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=NO_HANG * 4)
+    assert not any(t.is_alive() for t in threads), "a thread's calls hung"
+    return outcomes
+
+
+@pytest.mark.parametrize("caller_rank", [0, None])
+def test_calls_from_two_threads_leave_nothing_behind(caller_rank):
+    import sys
+
+    stdout, stderr = sys.stdout, sys.stderr
+    before = {k: os.environ.get(k) for k in WORLD_VARS}
+    outcomes = _in_threads(40, caller_rank)
+    assert len(outcomes) == 80
+    assert {k: os.environ.get(k) for k in WORLD_VARS} == before
+    assert sys.stdout is stdout and sys.stderr is stderr
+    results = [o for o in outcomes if not isinstance(o, Exception)]
+    refused = [o for o in outcomes if isinstance(o, Exception)]
+    assert all(r == [0, 1] for r in results)
+    if caller_rank is None:
+        assert not refused, f"calls with no caller rank may run side by side: {refused[:1]}"
+    else:
+        # A second call that plays a rank cannot share the process: refused at once, clearly.
+        assert all("another call that plays a rank" in str(e) for e in refused), refused[:1]
+        assert results, "no call got through"

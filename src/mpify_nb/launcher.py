@@ -210,6 +210,10 @@ class _Rank:
         self.process.close()
 
 
+#: Held by the one call that plays a rank in this process (it owns os.environ & co meanwhile).
+_caller_rank_lock = threading.Lock()
+_caller_rank_owner = ""
+
 #: Calls whose SIGINT handler is installed, for the fork handler below.
 _calls_taking_sigint: weakref.WeakSet[_Call] = weakref.WeakSet()
 
@@ -256,7 +260,24 @@ class _Call:
     # -- the whole call ------------------------------------------------------------------
 
     def run(self, packed: payload.PackedCall, fn, args, kwargs, ctx) -> list:
-        state = _CallerState.snapshot()
+        if self.caller_rank is not None and not _caller_rank_lock.acquire(blocking=False):
+            raise RuntimeError(
+                f"ranch: another call that plays a rank in this process is running (on thread "
+                f"{_caller_rank_owner!r}); two cannot share this process's os.environ, torch.distributed "
+                "group and streams. Wait for it to finish, or pass caller_rank=None: calls in which "
+                "every rank is a new process may run side by side."
+            )
+        try:
+            return self._run(packed, fn, args, kwargs, ctx)
+        finally:
+            if self.caller_rank is not None:
+                _caller_rank_lock.release()
+
+    def _run(self, packed: payload.PackedCall, fn, args, kwargs, ctx) -> list:
+        global _caller_rank_owner
+        if self.caller_rank is not None:
+            _caller_rank_owner = threading.current_thread().name
+        state = _CallerState.snapshot(self.caller_rank is not None)
         relay = OutputRelay(sys.stdout, sys.stderr)
         values: list = [None] * self.nprocs
         watcher: Optional[threading.Thread] = None
@@ -609,19 +630,27 @@ class _Call:
 
 
 class _CallerState:
-    """What a call may change in the calling process, and puts back."""
+    """What a call may change in the calling process, and puts back. Only a call in which the
+    caller plays a rank changes anything (it runs the user's function here)."""
+
+    def __init__(self) -> None:
+        self.environ: Optional[dict[str, str]] = None  # None: nothing to put back
+        self.cwd: Optional[str] = None
+        self.cuda_device: Optional[int] = None
+        self.dist_was_up = False
+        self.group_count: Optional[int] = None
 
     @classmethod
-    def snapshot(cls) -> _CallerState:
+    def snapshot(cls, caller_plays_a_rank: bool = True) -> _CallerState:
         self = cls()
+        if not caller_plays_a_rank:
+            return self
         self.environ = dict(os.environ)
         try:
-            self.cwd: Optional[str] = os.getcwd()
+            self.cwd = os.getcwd()
         except OSError:
             self.cwd = None
         torch = sys.modules.get("torch")
-        self.cuda_device = None
-        self.dist_was_up = False
         if torch is not None:
             try:
                 if torch.cuda.is_initialized():
@@ -636,6 +665,8 @@ class _CallerState:
         return self
 
     def restore(self) -> None:
+        if self.environ is None:
+            return
         torch = sys.modules.get("torch")
         if torch is not None:
             try:
@@ -643,7 +674,8 @@ class _CallerState:
                 if not self.dist_was_up and dist.is_available():
                     if dist.is_initialized():
                         dist.destroy_process_group()  # the function left its group up
-                    ddp.set_group_count(self.group_count)  # e.g. after a failed rendezvous
+                    if self.group_count is not None:
+                        ddp.set_group_count(self.group_count)  # e.g. after a failed rendezvous
             except Exception:
                 pass
             if self.cuda_device is not None:

@@ -85,8 +85,18 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+#: Serializes the swapping of sys.stdout/sys.stderr between relays of concurrent calls.
+_streams_lock = threading.Lock()
+
+
+def _underlying(stream: TextIO) -> TextIO:
+    return stream._stream if isinstance(stream, _LineTracker) else stream
+
+
 class OutputRelay:
     def __init__(self, stdout: TextIO, stderr: TextIO):
+        # Another call's tracker is not a target: it may be gone before we are done.
+        stdout, stderr = _underlying(stdout), _underlying(stderr)
         self._targets = (stdout, stderr)
         self._cond = threading.Condition()
         self._trackers = (_LineTracker(stdout, self._cond), _LineTracker(stderr, self._cond))
@@ -102,6 +112,7 @@ class OutputRelay:
             target=contextvars.copy_context().run, args=(self._run,), name="mpify_nb-relay", daemon=True
         )
         self._started = False
+        self._tracking = False
 
     def add(self, rank: int) -> tuple[int, int]:
         """Make the pipes for ``rank``; return their write ends (for the rank; close them after)."""
@@ -121,14 +132,22 @@ class OutputRelay:
         self._started = True
         _running.add(self)
         self._thread.start()
-        sys.stdout, sys.stderr = self._trackers
+        # Another call's relay (a call in another thread) may track them already: then we
+        # write through its trackers, and leave the streams to it.
+        with _streams_lock:
+            self._tracking = not isinstance(sys.stdout, _LineTracker) and not isinstance(sys.stderr, _LineTracker)
+            if self._tracking:
+                sys.stdout, sys.stderr = self._trackers
 
     def _untrack(self) -> None:
         # Put the caller's streams back, unless its code has replaced them meanwhile.
-        if sys.stdout is self._trackers[0]:
-            sys.stdout = self._targets[0]
-        if sys.stderr is self._trackers[1]:
-            sys.stderr = self._targets[1]
+        if not self._tracking:
+            return
+        with _streams_lock:
+            if sys.stdout is self._trackers[0]:
+                sys.stdout = self._targets[0]
+            if sys.stderr is self._trackers[1]:
+                sys.stderr = self._targets[1]
 
     def close(self, timeout: float = 2.0) -> None:
         """Wait until every rank's pipes have closed (the ranks are gone), at most
