@@ -496,3 +496,31 @@ def partial_line_then_wait(flag: str, seen_in) -> str:
     if "[rank 1] working..." in seen_in():
         Path(flag).touch()
     return "watched"
+
+
+def describe_arrays(arrays: dict) -> dict:
+    """What each numpy array is on this rank: type, dtype, shape, order, writable, sum, backed by a memfd."""
+    import numpy as np
+
+    out = {}
+    for name, a in arrays.items():
+        base = a
+        while getattr(base, "base", None) is not None:
+            base = base.base
+        out[name] = (type(a).__name__, a.dtype.str, a.shape, bool(a.flags.f_contiguous), bool(a.flags.writeable),
+                     float(np.asarray(a, dtype=np.float64).sum()), type(base).__name__)
+    return out
+
+
+def big_arrays(n: int) -> dict:
+    import numpy as np
+
+    c = np.arange(n, dtype=np.float32).reshape(-1, 64)
+    return {"c": c, "f": np.asfortranarray(c), "strided": c[::2], "ints": np.arange(n, dtype=np.int64)}
+
+
+def aliasing(base, view) -> tuple:
+    """Do ``base`` and ``view`` still share memory here? (Write through the view, read the base.)"""
+    view.view(-1)[0] = -7.0
+    return bool(base.reshape(-1)[view.storage_offset()] == -7.0), view.untyped_storage().data_ptr() == \
+        base.untyped_storage().data_ptr()

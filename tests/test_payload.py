@@ -137,6 +137,45 @@ def test_any_number_of_big_tensors_both_ways(count):
     assert mpify_nb.ranch(2, hr.checksum_tensors, returned) == [expected, expected]
 
 
+# -- numpy arrays and views ---------------------------------------------------------------------
+
+def test_big_numpy_arrays_travel_through_shared_memory_both_ways():
+    import numpy as np
+
+    arrays = hr.big_arrays(1 << 19)  # 2 MiB float32, 4 MiB int64: over the shared-memory threshold
+    data, fds = mpify_nb.payload.dumps(arrays)
+    try:
+        assert len(fds) == 4 and len(data) < 4096, "the arrays' bytes were pickled"
+    finally:
+        mpify_nb.payload.close_fds(fds)
+    expected = {name: (np.float32(0).dtype.str if name != "ints" else np.int64(0).dtype.str) for name in arrays}
+    for described in mpify_nb.ranch(2, hr.describe_arrays, arrays):
+        for name, (kind, dtype, shape, fortran, writable, total, _base) in described.items():
+            a = arrays[name]
+            assert (kind, dtype, shape, writable) == ("ndarray", expected[name], a.shape, True), name
+            assert fortran == bool(a.flags.f_contiguous) and total == float(a.astype(np.float64).sum()), name
+    returned = mpify_nb.ranch(2, hr.big_arrays, 1 << 19)[1]
+    for name, a in returned.items():
+        assert isinstance(a, np.ndarray) and np.array_equal(a, arrays[name]) and a.flags.writeable, name
+    assert returned["f"].flags.f_contiguous
+
+
+def test_small_view_of_a_big_tensor_ships_only_its_bytes():
+    big = torch.arange(float(1 << 20))  # 4 MiB
+    view = big[10:20]
+    data, fds = mpify_nb.payload.dumps(view)
+    assert not fds and len(data) < 4096, f"{len(data)} bytes pickled for a 40-byte view"
+    assert torch.equal(mpify_nb.payload.loads(data, fds), view)
+    assert mpify_nb.ranch(2, hr.as_is, view, caller_rank=None)[0].tolist() == view.tolist()
+
+
+@pytest.mark.parametrize("view", ["big", "small"])
+def test_a_tensor_and_its_view_keep_their_aliasing(view):
+    base = torch.zeros(1 << 20)  # 4 MiB
+    part = base[100:] if view == "big" else base[100:110]
+    assert mpify_nb.ranch(2, hr.aliasing, base, part, caller_rank=None) == [(True, True), (True, True)]
+
+
 # -- what cannot travel -------------------------------------------------------------------------
 
 def test_unpicklable_argument():

@@ -36,35 +36,97 @@ from .errors import PayloadError, safe_str
 SHARED_TENSOR_MIN_BYTES = 1 << 20
 
 _TENSOR_TAG = "mpify_nb.tensor"
+_ARRAY_TAG = "mpify_nb.array"
 _MAIN_CLASS_TAG = "mpify_nb.main_class"
 
 
-# -- pickling with shared tensors ---------------------------------------------------------
+# -- pickling with shared tensors and arrays ----------------------------------------------
+#
+# What goes to shared memory, and how it comes back:
+#
+#   big tensor, covering most of its storage  ->  the whole storage, once per payload; every
+#                                                 tensor on it (the tensor, its views) is an
+#                                                 (offset, shape, stride) on that one mapping,
+#                                                 so aliasing survives the trip
+#   big view of a much bigger storage         ->  its own bytes only (a compact copy)
+#   small view of a big storage               ->  pickled as a compact copy (torch would
+#                                                 pickle the whole storage)
+#   big numpy array (no Python objects)       ->  its bytes, C or Fortran order kept
+#   anything else                             ->  plain pickle
 
 class _Pickler(dill.Pickler):
-    """dill's pickler, plus: big CPU tensors go to memfds; optionally, notebook classes by name."""
+    """dill's pickler, plus: big CPU tensors and arrays go to memfds; optionally, notebook
+    classes by name."""
 
     def __init__(self, file, *, classes_by_name: bool = False):
         super().__init__(file, protocol=dill.HIGHEST_PROTOCOL, recurse=True, byref=False)
         self.fds: list[int] = []
-        self._tensor_ids: dict[int, int] = {}
+        self._objects: dict[int, tuple] = {}  # id(tensor or array) -> its persistent id
+        self._kept: list[Any] = []  # keeps those ids valid while we pickle
+        self._storages: dict[int, int] = {}  # storage address -> fd index
         self._classes_by_name = classes_by_name
         self._torch = sys.modules.get("torch")  # no torch imported: no tensors to look for
+        self._numpy = sys.modules.get("numpy")
 
     def persistent_id(self, obj):
         if self._classes_by_name and isinstance(obj, type) and obj.__module__ == "__main__":
             # By value too, in case the caller has no class of that name any more.
             return (_MAIN_CLASS_TAG, obj.__qualname__, dill.dumps(obj, recurse=True))
+        known = self._objects.get(id(obj))
+        if known is not None:
+            return known
+        torch, numpy = self._torch, self._numpy
+        pid = None
+        if torch is not None and isinstance(obj, torch.Tensor) and _shareable_kind(torch, obj):
+            pid = self._tensor_id(torch, obj)
+        elif numpy is not None and type(obj) is numpy.ndarray and _shareable_array(obj):
+            pid = self._array_id(numpy, obj)
+        if pid is not None:
+            self._objects[id(obj)] = pid
+            self._kept.append(obj)
+        return pid
+
+    def reducer_override(self, obj):
         torch = self._torch
-        if torch is not None and isinstance(obj, torch.Tensor) and _shareable(torch, obj):
-            index = self._tensor_ids.get(id(obj))
-            if index is None:
-                index = len(self.fds)
-                self.fds.append(_tensor_to_memfd(torch, obj))
-                self._tensor_ids[id(obj)] = index
-            is_param = isinstance(obj, torch.nn.Parameter)
-            return (_TENSOR_TAG, index, obj.dtype, tuple(obj.shape), obj.requires_grad, is_param)
-        return None
+        if torch is not None and type(obj) is torch.Tensor and _shareable_kind(torch, obj) \
+                and obj.untyped_storage().nbytes() > 2 * _nbytes(obj) and obj.untyped_storage().nbytes() > 4096:
+            # A small view of a big storage: torch would pickle the whole storage.
+            return _same, (obj.detach().clone().requires_grad_(obj.requires_grad),)
+        return NotImplemented
+
+    def _tensor_id(self, torch, t) -> Optional[tuple]:
+        storage = t.untyped_storage()
+        address, storage_bytes, view_bytes = storage.data_ptr(), storage.nbytes(), _nbytes(t)
+        is_param = isinstance(t, torch.nn.Parameter)
+        index = self._storages.get(address) if address else None
+        if index is None and view_bytes >= SHARED_TENSOR_MIN_BYTES and 2 * view_bytes >= storage_bytes:
+            index = self._add_fd(_memfd_of(_address_view(address, storage_bytes)))
+            self._storages[address] = index
+        if index is not None:
+            offset_bytes = t.storage_offset() * t.element_size()
+            return (_TENSOR_TAG, len(self._objects), index, t.dtype, tuple(t.shape), tuple(t.stride()),
+                    offset_bytes, t.requires_grad, is_param)
+        if view_bytes < SHARED_TENSOR_MIN_BYTES:
+            return None
+        compact = t.detach().contiguous()
+        fd = _memfd_of(_address_view(compact.data_ptr(), view_bytes))
+        return (_TENSOR_TAG, len(self._objects), self._add_fd(fd), t.dtype, tuple(t.shape),
+                tuple(compact.stride()), 0, t.requires_grad, is_param)
+
+    def _array_id(self, numpy, a) -> tuple:
+        fortran = a.flags.f_contiguous and not a.flags.c_contiguous
+        source = a.T if fortran else a if a.flags.c_contiguous else numpy.ascontiguousarray(a)
+        fd = _memfd_of(memoryview(source).cast("B"))
+        return (_ARRAY_TAG, len(self._objects), self._add_fd(fd), a.dtype.str if a.dtype.names is None else a.dtype,
+                a.shape, fortran)
+
+    def _add_fd(self, fd: int) -> int:
+        self.fds.append(fd)
+        return len(self.fds) - 1
+
+
+def _same(x):
+    return x
 
 
 class _Unpickler(dill.Unpickler):
@@ -72,53 +134,88 @@ class _Unpickler(dill.Unpickler):
         super().__init__(file)
         self._fds = fds
         self._private = private
-        self._tensors: dict[int, Any] = {}
+        self._objects: dict[int, Any] = {}  # the object number in the pid -> what it became
+        self._mappings: dict[int, Any] = {}  # fd index -> a uint8 tensor (or array) mapping it
 
     def persistent_load(self, pid):
         tag = pid[0]
         if tag == _TENSOR_TAG:
-            _, index, dtype, shape, requires_grad, is_param = pid
-            if index not in self._tensors:  # the same tensor referenced twice stays one tensor
+            _, number, index, dtype, shape, stride, offset_bytes, requires_grad, is_param = pid
+            if number not in self._objects:  # the same tensor referenced twice stays one tensor
                 import torch
 
-                tensor = _tensor_from_memfd(torch, self._fds[index], dtype, shape, self._private)
+                raw = self._mapping(index)
+                typed = raw[offset_bytes:].view(dtype) if raw.numel() > offset_bytes else raw[:0].view(dtype)
+                tensor = torch.as_strided(typed, shape, stride) if shape else typed[0]
                 if is_param:
                     tensor = torch.nn.Parameter(tensor, requires_grad=requires_grad)
                 else:
                     tensor.requires_grad_(requires_grad)
-                self._tensors[index] = tensor
-            return self._tensors[index]
+                self._objects[number] = tensor
+            return self._objects[number]
+        if tag == _ARRAY_TAG:
+            _, number, index, dtype, shape, fortran = pid
+            if number not in self._objects:
+                import numpy
+
+                flat = self._mapping(index, as_array=True).view(numpy.dtype(dtype))
+                self._objects[number] = flat.reshape(shape[::-1]).T if fortran else flat.reshape(shape)
+            return self._objects[number]
         if tag == _MAIN_CLASS_TAG:
             _, qualname, by_value = pid
             here = _lookup_main(qualname)
             return here if isinstance(here, type) else dill.loads(by_value)
         raise dill.UnpicklingError(f"unknown persistent id {tag!r}")
 
+    def _mapping(self, index: int, as_array: bool = False):
+        """The memfd ``index`` mapped once: ranks map it private (copy-on-write: their writes
+        stay their own), the caller shared (the result *is* the mapping, no second copy)."""
+        if index not in self._mappings:
+            self._mappings[index] = _map_memfd(self._fds[index], self._private)
+        mapping = self._mappings[index]
+        if as_array and not isinstance(mapping, _np_ndarray()):
+            return mapping.numpy()
+        return mapping
 
-def _shareable(torch, t) -> bool:
+
+def _np_ndarray():
+    numpy = sys.modules.get("numpy")
+    return numpy.ndarray if numpy is not None else ()
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def _shareable_kind(torch, t) -> bool:
     return (
         type(t) in (torch.Tensor, torch.nn.Parameter)
         and t.device.type == "cpu"
         and t.layout == torch.strided
         and not t.is_quantized
         and (t.is_leaf or not t.requires_grad)
-        and t.numel() * t.element_size() >= SHARED_TENSOR_MIN_BYTES
+        and not t.is_neg() and not t.is_conj()
     )
 
 
-def _tensor_to_memfd(torch, t) -> int:
-    """Copy the tensor's bytes into a new memfd: the one copy a shared tensor costs.
+def _shareable_array(a) -> bool:
+    return not a.dtype.hasobject and a.nbytes >= SHARED_TENSOR_MIN_BYTES
+
+
+def _address_view(address: int, nbytes: int) -> memoryview:
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
+def _memfd_of(view: memoryview) -> int:
+    """Copy ``view`` into a new memfd: the one copy a shared tensor or array costs.
 
     write(2) rather than a copy into a mapping: the kernel allocates each shmem page
     and fills it in one pass, where a mapping would take a page fault per 4 KiB
     (about 1.4x slower here)."""
-    src = t.detach().contiguous()
-    nbytes = src.numel() * src.element_size()
-    view = memoryview((ctypes.c_char * nbytes).from_address(src.data_ptr())).cast("B")
     fd = os.memfd_create("mpify_nb-tensor", os.MFD_CLOEXEC)
     try:
         done = 0
-        while done < nbytes:
+        while done < len(view):
             done += os.write(fd, view[done:])
     except BaseException:
         os.close(fd)
@@ -128,14 +225,24 @@ def _tensor_to_memfd(torch, t) -> int:
     return fd
 
 
-def _tensor_from_memfd(torch, fd: int, dtype, shape, private: bool):
-    count = 1
-    for n in shape:
-        count *= n
-    # torch maps the file itself and keeps no descriptor open (Python's mmap would keep
-    # one per tensor for its whole life). shared=False is MAP_PRIVATE: ranks share the
-    # caller's pages, but their writes stay their own.
-    return torch.from_file(f"/proc/self/fd/{fd}", shared=not private, size=count, dtype=dtype).view(shape)
+def _map_memfd(fd: int, private: bool):
+    """Map a whole memfd as a flat uint8 tensor (numpy array when torch is not loaded here)."""
+    size = os.fstat(fd).st_size
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        # torch maps the file itself and keeps no descriptor open (Python's mmap would keep
+        # one per mapping for its whole life). shared=False is MAP_PRIVATE.
+        if size == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.from_file(f"/proc/self/fd/{fd}", shared=not private, size=size, dtype=torch.uint8)
+    import mmap
+
+    import numpy
+
+    if size == 0:
+        return numpy.empty(0, dtype=numpy.uint8)
+    flags = mmap.MAP_PRIVATE if private else mmap.MAP_SHARED
+    return numpy.frombuffer(mmap.mmap(fd, size, flags=flags), dtype=numpy.uint8)
 
 
 def _lookup_main(qualname: str) -> Any:
