@@ -37,7 +37,7 @@ import time
 import weakref
 from typing import Any, Callable, Optional
 
-from . import ddp, payload, placement, wire
+from . import ddp, libraries, payload, placement, wire
 from . import rank as rank_module
 from .errors import PayloadError, RankError, RankExitedError, RemoteFailure, safe_str
 from .relay import OutputRelay
@@ -334,6 +334,7 @@ class _Call:
             # frees a caller blocked in the rendezvous (see ddp.py).
             "MPIFY_NB_STORE_RANK": str(store_rank),
         }
+        env.update(libraries.torchrun_env(self.nprocs))  # GROUP_RANK, OMP_NUM_THREADS=1... unless set
         # All ranks are on this machine: keep gloo/NCCL sockets on loopback.
         for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             if name not in os.environ:
@@ -369,7 +370,7 @@ class _Call:
             if process.death_fd is not None:
                 self.selector.register(process.death_fd, selectors.EVENT_READ, ("death", r))
         for r, handle in self.ranks.items():
-            rank_env = dict(base, RANK=str(r), LOCAL_RANK=str(r))
+            rank_env = dict(base, RANK=str(r), LOCAL_RANK=str(r), **libraries.torchrun_rank_env(r))
             setup = pickle.dumps(dict(common, rank=r, env=rank_env))
             try:
                 wire.send(handle.channel, setup)
@@ -519,7 +520,8 @@ class _Call:
         """Run the caller's rank on this thread. A failure is recorded, not raised:
         run() raises the root cause once it has heard from every rank."""
         rank = self.caller_rank
-        os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
+        os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), **libraries.torchrun_rank_env(rank))
+        libraries.apply_thread_env(env)  # a torchrun rank starts with these threads
         restore_signals = self._take_sigint() if self.on_main_thread else None
         try:
             try:
@@ -528,10 +530,11 @@ class _Call:
                 if self.imports:
                     # As on every other rank, in __main__: the notebook keeps these names (as with mpify).
                     exec(compile(self.imports, "<imports>", "exec"), sys.modules["__main__"].__dict__)
-                if ctx is None:
-                    return fn(*args, **kwargs)
-                with ctx:
-                    return fn(*args, **kwargs)
+                with libraries.launched_externally():
+                    if ctx is None:
+                        return fn(*args, **kwargs)
+                    with ctx:
+                        return fn(*args, **kwargs)
             finally:
                 with self.cond:
                     self.in_user_code = False
@@ -639,6 +642,7 @@ class _CallerState:
         self.cuda_device: Optional[int] = None
         self.dist_was_up = False
         self.group_count: Optional[int] = None
+        self.libraries: Optional[libraries.LibraryState] = None
 
     @classmethod
     def snapshot(cls, caller_plays_a_rank: bool = True) -> _CallerState:
@@ -662,12 +666,18 @@ class _CallerState:
             except Exception:
                 pass
         self.group_count = ddp.group_count() if torch is not None else None
+        self.libraries = libraries.LibraryState.snapshot()
         return self
 
     def restore(self) -> None:
         if self.environ is None:
             return
         torch = sys.modules.get("torch")
+        try:
+            if self.libraries is not None:
+                self.libraries.restore()  # before the group goes: nothing of it is left to use it
+        except Exception:
+            pass
         if torch is not None:
             try:
                 dist = torch.distributed

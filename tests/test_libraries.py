@@ -1,0 +1,157 @@
+"""accelerate, Lightning (Fabric and Trainer) and HF Trainer inside ranch, in a real kernel.
+
+Each library's tiny run (tests/scripts/libraries.py) is pasted into a notebook cell and run
+with ``ranch(2, ...)`` three times in a row, as a user would; every call must give exactly
+what a ``torchrun --nproc-per-node 2`` run of the same file gives, and leave the notebook
+as it was (thread count, logging handlers, library singletons). These are slow (Lightning
+imports in ~3 s): marked ``libraries``, skipped when a library is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+
+import nbutil  # noqa: E402
+
+pytestmark = pytest.mark.libraries
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "libraries.py"
+# What a notebook cell holds: the training functions, not the torchrun entry point.
+TRAINING_CELL = SCRIPT.read_text().split('if __name__ == "__main__":')[0]
+
+NEEDS = {"accelerate": "accelerate", "fabric": "lightning", "lightning": "lightning", "hf": "transformers"}
+
+
+def _require(name: str) -> None:
+    for module in NEEDS[name].split():
+        pytest.importorskip(module, reason=f"{module} is not installed (pip install mpify_nb[test])")
+
+
+def torchrun(name: str) -> list[dict]:
+    """Rank results of ``torchrun --nproc-per-node 2 libraries.py name``, by rank."""
+    import signal
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    env.pop("OMP_NUM_THREADS", None)  # torchrun's own rule decides, as in ranch
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+         str(SCRIPT), name],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: our own session
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    # The two workers share one stdout: their lines may run into each other.
+    results = [json.loads(m) for m in re.findall(r"RESULT (\{[^{}]*\})", out)]
+    assert len(results) == 2, out
+    return sorted(results, key=lambda r: r["rank"])
+
+
+def _state_probe() -> str:
+    """A cell printing what a call must leave as it was in the notebook."""
+    return (
+        "import logging, torch, sys\n"
+        "def _singletons():\n"
+        "    st = sys.modules.get('accelerate.state')\n"
+        "    return None if st is None else [len(c._shared_state) for c in\n"
+        "                                    (st.PartialState, st.AcceleratorState, st.GradientState)]\n"
+        "print('STATE', json.dumps({'threads': torch.get_num_threads(),\n"
+        "    'root': [type(h).__name__ for h in logging.root.handlers], 'level': logging.root.level,\n"
+        "    'singletons': _singletons()}))\n"
+    )
+
+
+def _run_three_times(name: str, extra_cells: list[str] = ()) -> list:
+    cells = nbutil.run_cells([
+        "import json, os, sys, torch\nfrom mpify_nb import ranch\ntorch.set_num_threads(2)",
+        TRAINING_CELL,
+        _state_probe(),
+        *[f"print('RESULTS', json.dumps(ranch(2, train_{name})))\n" + _state_probe() for _ in range(3)],
+        *extra_cells,
+    ], timeout=120)
+    return cells
+
+
+def _parse(cell, tag: str):
+    for line in nbutil.stream_text(cell).splitlines():
+        if line.startswith(tag + " "):
+            return json.loads(line[len(tag) + 1:])
+    raise AssertionError(f"no {tag} line in: {nbutil.all_text(cell)[-3000:]}")
+
+
+def _check(name: str, cells, expected: list[dict]) -> None:
+    before = _parse(cells[2], "STATE")
+    for call in range(3):
+        cell = cells[3 + call]
+        got = _parse(cell, "RESULTS")
+        assert [r["rank"] for r in got] == [0, 1]
+        for mine, theirs in zip(got, expected):
+            assert mine["losses"] == pytest.approx(theirs["losses"], rel=1e-5, abs=1e-6), (name, call)
+            assert mine["weights"] == pytest.approx(theirs["weights"], rel=1e-5, abs=1e-6), (name, call)
+        after = _parse(cell, "STATE")
+        assert after["threads"] == before["threads"] == 2, (name, call, after)
+        assert after["root"] == before["root"] and after["level"] == before["level"], (name, call, after)
+        if after["singletons"] is not None:  # accelerate was imported: its state is empty again
+            assert after["singletons"] == [0, 0, 0], (name, call, after)
+
+
+NOTEBOOK_LAUNCHER = (
+    "import tempfile\n"
+    "from accelerate import notebook_launcher\n"
+    "def nl_probe(where):\n"
+    "    from accelerate import Accelerator\n"
+    "    a = Accelerator(cpu=True)\n"
+    "    open(os.path.join(where, f'{a.process_index}-of-{a.num_processes}'), 'w').close()\n"
+    "with tempfile.TemporaryDirectory() as where:\n"
+    "    notebook_launcher(nl_probe, args=(where,), num_processes=2)\n"
+    "    print('NL', json.dumps(sorted(os.listdir(where))))\n"
+)
+
+
+def _check_notebook_launcher(cell) -> None:
+    assert _parse(cell, "NL") == ["0-of-2", "1-of-2"], nbutil.all_text(cell)
+
+
+def test_accelerate_three_calls_then_notebook_launcher():
+    _require("accelerate")
+    expected = torchrun("accelerate")
+    cells = _run_three_times("accelerate", [NOTEBOOK_LAUNCHER])
+    _check("accelerate", cells, expected)
+    _check_notebook_launcher(cells[-1])
+
+
+def test_fabric_ddp_three_calls():
+    _require("fabric")
+    _check("fabric", _run_three_times("fabric"), torchrun("fabric"))
+
+
+def test_lightning_trainer_ddp_three_calls():
+    _require("lightning")
+    _check("lightning", _run_three_times("lightning"), torchrun("lightning"))
+
+
+def test_hf_trainer_three_calls_then_notebook_launcher():
+    _require("hf")
+    _require("accelerate")
+    expected = torchrun("hf")
+    cells = _run_three_times("hf", [NOTEBOOK_LAUNCHER])
+    _check("hf", cells, expected)
+    _check_notebook_launcher(cells[-1])
