@@ -524,3 +524,28 @@ def aliasing(base, view) -> tuple:
     view.view(-1)[0] = -7.0
     return bool(base.reshape(-1)[view.storage_offset()] == -7.0), view.untyped_storage().data_ptr() == \
         base.untyped_storage().data_ptr()
+
+
+def listening_now() -> list[str]:
+    """The local addresses of the TCP sockets this process listens on now (no barrier)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            next(f)
+            for line in f:
+                parts = line.split()
+                if parts[3] == "0A" and parts[9] in inodes:
+                    found.append(_decode_address(parts[1]))
+    return found
+
+
+def master_port() -> int:
+    return int(os.environ["MASTER_PORT"])

@@ -384,6 +384,16 @@ def test_listening_sockets_are_loopback_only():
     assert hosts <= {"127.0.0.1", "::1"}, f"ranks listen on {sorted(everything)}"
 
 
+def test_a_call_without_ddp_listens_on_nothing():
+    assert mpify_nb.ranch(2, hr.listening_now, caller_rank=None) == [[], []]
+
+
+def test_the_rendezvous_store_closes_with_the_call():
+    port = mpify_nb.ranch(2, hr.master_port, ctx=in_torchddp())[0]
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
 # -- errors are never lost ------------------------------------------------------------------
 
 @pytest.mark.parametrize("failing", [1, 0])
