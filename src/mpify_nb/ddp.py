@@ -35,7 +35,7 @@ def _parse_gpus(gpus: GpuSpec) -> Optional[list[int]]:
         except ValueError:
             raise ValueError(f"gpus must list GPU ids like '3,1', not {gpus!r}") from None
     elif isinstance(gpus, int):
-        ids = [gpus]
+        ids = [int(gpus)]
     else:
         ids = [int(g) for g in gpus]
     if not ids:
@@ -207,12 +207,13 @@ def _make_store(is_master: bool) -> Any:
     (loopback under ranch): by default TCPStore would listen on every interface."""
     import socket
 
-    import torch.distributed as dist
+    # Public API (torch.distributed.TCPStore), re-exported from a private module without __all__.
+    from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     world_size = int(os.environ["WORLD_SIZE"])
     if not is_master:
-        return dist.TCPStore(addr, port, world_size, is_master=False)
+        return TCPStore(addr, port, world_size, is_master=False)
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -223,7 +224,7 @@ def _make_store(is_master: bool) -> Any:
         listener.close()
         raise
     # The store owns the listening socket from here on, and closes it.
-    return dist.TCPStore(addr, port, world_size, is_master=True, wait_for_workers=False,
+    return TCPStore(addr, port, world_size, is_master=True, wait_for_workers=False,
                          master_listen_fd=listener.detach())
 
 

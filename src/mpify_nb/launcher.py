@@ -254,7 +254,7 @@ class _Call:
         self.in_user_code = False
         self.signals_sent = 0  # SIGINTs we sent ourselves to the main thread
         self.abort_signal_pending = False
-        self.main_thread = threading.main_thread().ident
+        self.main_thread: int = threading.main_thread().ident or 0
         self.on_main_thread = threading.current_thread() is threading.main_thread()
 
     # -- the whole call ------------------------------------------------------------------
@@ -520,6 +520,7 @@ class _Call:
         """Run the caller's rank on this thread. A failure is recorded, not raised:
         run() raises the root cause once it has heard from every rank."""
         rank = self.caller_rank
+        assert rank is not None
         os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), **libraries.torchrun_rank_env(rank))
         libraries.apply_thread_env(env)  # a torchrun rank starts with these threads
         restore_signals = self._take_sigint() if self.on_main_thread else None

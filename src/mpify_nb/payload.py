@@ -27,6 +27,7 @@ import io
 import os
 import sys
 import threading
+from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
 import dill
@@ -267,7 +268,7 @@ def dumps(obj: Any, *, classes_by_name: bool = False) -> tuple[bytes, list[int]]
     return buf.getvalue(), pickler.fds
 
 
-def loads(data, fds: list[int] = (), *, private: bool = False) -> Any:
+def loads(data, fds: Sequence[int] = (), *, private: bool = False) -> Any:
     """Unpickle what ``dumps`` made. Closes ``fds`` (mappings stay valid without them)."""
     try:
         return _Unpickler(io.BytesIO(data), list(fds), private=private).load()

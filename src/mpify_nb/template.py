@@ -165,7 +165,7 @@ class TemplateDied(RuntimeError):
 
 
 class TemplateUnresponsive(TemplateDied):
-    """The template did not answer in time (stopped, or starved): it has been replaced."""
+    """The template did not answer in time: still starting, starved, or stopped (then replaced)."""
 
 
 class TemplateClient:
@@ -214,7 +214,7 @@ class TemplateClient:
         except TemplateDied:
             if self._dead:
                 raise
-            self._give_up(f"did not start within {timeout:.3g} s")
+            self._give_up(f"is still starting (it imports torch) after {timeout:.3g} s")
         with self._cond:
             request_id = self._next_id
             self._next_id += 1
@@ -233,11 +233,14 @@ class TemplateClient:
         self._give_up(f"did not fork a rank within {timeout:.3g} s")
 
     def _give_up(self, what: str) -> NoReturn:
-        state = _process_state(self.pid)
-        stopped = " (it is stopped: SIGSTOP?)" if state == "T" else ""
-        self._proc.kill()  # the next call starts a fresh one
-        self.close()
-        raise TemplateUnresponsive(f"the template process (pid {self.pid}) {what}{stopped}; it was replaced")
+        if _process_state(self.pid) in ("T", "t"):
+            # Stopped (SIGSTOP, a debugger): it would never answer. The next call starts a fresh one.
+            self._proc.kill()
+            self.close()
+            raise TemplateUnresponsive(f"the template process (pid {self.pid}) {what}: it is stopped "
+                                       "(SIGSTOP?), so it was replaced")
+        # Merely slow (a loaded machine): keep it, a later call will find it ready.
+        raise TemplateUnresponsive(f"the template process (pid {self.pid}) {what}")
 
     def _how_it_ended(self) -> str:
         try:
