@@ -15,7 +15,7 @@ rank.py         what a rank does from birth to exit
 relay.py        where ranks' output is relayed into the cell
 errors.py       where errors come back: RankError and the remote traceback
 ddp.py          in_torchddp / TorchDDPCtx
-magics.py       %%ranch and friends (``%load_ext mpify_nb``)
+magics/         %%ranch, the session magics (``%load_ext mpify_nb``)
 ==============  ===============================================================
 """
 
