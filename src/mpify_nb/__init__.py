@@ -48,10 +48,17 @@ __all__ = [
 
 
 def load_ipython_extension(ipython) -> None:
-    """``%load_ext mpify_nb``: register the %%ranch magics."""
+    """``%load_ext mpify_nb``: register the magics (%%ranch, and the persistent ranks' %dist_init ...)."""
     from .magics import load_ipython_extension as load
 
     load(ipython)
+
+
+def unload_ipython_extension(ipython) -> None:
+    """``%unload_ext mpify_nb``: stop the persistent ranks and automatic mode."""
+    from .magics import unload_ipython_extension as unload
+
+    unload(ipython)
 
 
 # Start the template now, in the background, so the first call does not pay for
