@@ -8,6 +8,7 @@ Where things happen, by module:
 
 ==============  ===============================================================
 launcher.py     ranch(): the call from start to teardown, the watch over ranks
+session.py      Session: persistent ranks across calls (session_rank.py: their serve loop)
 payload.py      packing the call and the results (dill, shared-memory tensors)
 placement.py    where a rank starts (the seam): template fork or fresh spawn
 template.py     the warm process ranks are forked from
@@ -29,11 +30,14 @@ from .errors import PayloadError, RankError, RankExitedError, RankRaisedError
 from .imports import import_star
 from .launcher import ranch
 from .placement import get_start_method, set_start_method
+from .session import RankStatus, Session
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ranch",
+    "Session",
+    "RankStatus",
     "in_torchddp",
     "TorchDDPCtx",
     "distributed",
