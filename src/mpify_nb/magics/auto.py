@@ -33,6 +33,8 @@ TIMING_MAGICS = ("time", "timeit")
 #: Cell magics of this package that pick where a cell runs: the router leaves them alone.
 ROUTING_CELL_MAGICS = ("distributed", "rank", "local", "ranch")
 
+#: %time / %timeit lines: their code is timed on the ranks.
+_TIMING_LINE = re.compile(r"%(time|timeit)(?:\s+(.*))?$")
 _CELL_MAGIC = re.compile(r"%%(\w+)")
 _RANK_NO_SPACE = re.compile(r"%%rank(\[)")  # nbdistributed's spelling: %%rank[0,1]
 #: A line IPython runs as a magic, a shell command or a help request (not Python).
@@ -139,7 +141,7 @@ def route(cell: str, automatic: bool) -> tuple[str, str]:
             return "ranks", "%%distributed --auto\n" + cell
         return "kernel", cell  # our routing magics, and kernel cell magics (%%capture runs its body again)
     lines = cell.splitlines(True)
-    kernel = top_level_kernel_lines(lines)
+    kernel = {i for i in top_level_kernel_lines(lines) if not _TIMING_LINE.match(lines[i])}
     if all(i in kernel or _is_blank_or_comment(line) for i, line in enumerate(lines)):
         return "kernel", cell  # %dist_status, %pip install, !nvidia-smi, an empty cell
     return "ranks", "%%distributed --auto\n" + cell
@@ -182,7 +184,7 @@ def split_cell(cell: str, first_lineno: int = 1) -> CellPlan:
         if i == total:
             break
         line = lines[i]
-        timing = re.match(r"%(time|timeit)(?:\s+(.*))?$", line.rstrip("\n"))
+        timing = _TIMING_LINE.match(line.rstrip("\n"))
         if timing:
             magic, arg = timing.group(1), (timing.group(2) or "")
             if magic == "time":
