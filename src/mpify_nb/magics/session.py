@@ -126,12 +126,18 @@ def format_bytes(n: Optional[int]) -> str:
     return str(n)
 
 
+def _short_exit(detail: str) -> str:
+    """"rank 1 was killed by SIGKILL (killed by hand, or ...)" -> "killed by SIGKILL"."""
+    detail = re.sub(r"^rank \d+ (was |has )?", "", detail.splitlines()[0] if detail else "")
+    return re.sub(r"\s*\(.*$", "", detail)[:40]
+
+
 def status_table(rows: list) -> tuple[str, str]:
     """(text, html) of ``Session.status()`` rows: rank, pid, state, device, RSS, GPU memory, last cell."""
     head = ["rank", "pid", "state", "device", "RSS", "GPU memory", "last cell"]
     cells = []
     for row in rows:
-        state = row.state + (f" ({row.exit_detail})" if getattr(row, "exit_detail", "") else "")
+        state = row.state + (f" ({_short_exit(row.exit_detail)})" if getattr(row, "exit_detail", "") else "")
         last = (row.last_cell or "").splitlines()[0] if row.last_cell else ""
         cells.append([str(row.rank), str(row.pid), state, str(row.device), format_bytes(row.rss),
                       format_bytes(row.gpu_memory), last[:60]])
