@@ -418,6 +418,9 @@ class Session:
             theirs.close()
             os.close(out_w)
             os.close(err_w)
+        hold = getattr(process, "hold", None)
+        if hold is not None:
+            hold()  # a template restarted meanwhile (environment changed) must not take it along
         m = _Member(r, ours, control_ours, process, out_r, err_r)
         m.control_theirs = control_theirs  # sent with the setup
         self._members[r] = m
@@ -486,6 +489,9 @@ class Session:
         os.close(m.out_r)
         os.close(m.err_r)
         m.process.close()
+        release = getattr(m.process, "release", None)
+        if release is not None:
+            release()
         m.state = "dead"
 
     # -- one call ----------------------------------------------------------------------
@@ -754,7 +760,7 @@ class Session:
         except (OSError, EOFError):
             message = None
         if message is None:
-            self._selector.unregister(m.control)
+            self._unregister(m.control)
             return
         kind, req, body = proto.unpack(message[0])
         if kind == proto.COLLECTIVE and req == m.req:
@@ -816,6 +822,12 @@ class Session:
         text = bundle.get("text/plain", "")
         for line in str(text).splitlines() or [""]:
             print(f"[rank {rank}] {line}")
+
+    def _unregister(self, obj: Any) -> None:
+        try:
+            self._selector.unregister(obj)
+        except (KeyError, ValueError):
+            pass
 
     def _send_control(self, m: _Member, kind: bytes, req: int) -> None:
         try:
