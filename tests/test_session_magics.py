@@ -530,5 +530,5 @@ def test_example_notebook_runs():
     assert "[rank 1] tensor(" in text
     assert "rank 0 raised NameError: name 't' is not defined" in text
     assert "KeyboardInterrupt" in text
-    assert "RankExitedError" in text and "Restarted rank 1" in text
+    assert "rank 1 was killed by SIGKILL" in text and "Restarted rank 1" in text
     assert "2 ranks stopped" in text
