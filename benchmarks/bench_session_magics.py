@@ -228,7 +228,7 @@ def measure_nbdistributed(reps: int, quick: bool) -> dict:
         local = [k.time("1") for _ in range(reps)]
         out["init"] = [k.time("%dist_init -n 2")]
         k.run("import torch")  # nbdistributed loses the first cell after %dist_init: this one
-        k.run("import torch")
+        k.run("import torch\nimport torch.distributed as dist")
         out["trivial"] = [k.time("1") for _ in range(reps)]
         out["local"] = local
         k.run("t = torch.ones(4)")
@@ -267,7 +267,8 @@ def main() -> int:
         value = median(d[key]) - (median(d[minus]) if minus else 0)
         return fmt_s(value)
 
-    rows.append(("trivial cell overhead over a local cell", *(cell(d, "trivial", "local") for d in contenders.values())))
+    rows.append(("trivial cell overhead over a local cell",
+                 *(cell(d, "trivial", "local") for d in contenders.values())))
     rows.append(("local cell", *(cell(d, "local") for d in contenders.values())))
     rows.append(("all_reduce cell", *(cell(d, "all_reduce") for d in contenders.values())))
     rows.append(("start 2 ranks with a gloo group", *(cell(d, "init") for d in contenders.values())))
