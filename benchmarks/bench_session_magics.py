@@ -72,6 +72,8 @@ class Kernel:
                                      on_cell_executed=lambda cell, cell_index, execute_reply:
                                      self.replies.__setitem__(cell_index, execute_reply))
         env = dict(os.environ, **{nbutil.MARKER_VAR: self.marker, "PYDEVD_DISABLE_FILE_VALIDATION": "1"})
+        # nbdistributed starts its workers as `python` from PATH: make that this interpreter.
+        env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
         self._setup = self.client.setup_kernel(env=env)
         self._setup.__enter__()
 
@@ -226,7 +228,10 @@ def measure_nbdistributed(reps: int, quick: bool) -> dict:
         for _ in range(5):
             k.run("1")
         local = [k.time("1") for _ in range(reps)]
-        out["init"] = [k.time("%dist_init -n 2")]
+        elapsed, init = k.run("%dist_init -n 2")
+        out["init"] = [elapsed]
+        if "Successfully started" not in "".join(o.get("text", "") for o in init.outputs):
+            raise RuntimeError(f"%dist_init failed: {init.outputs}")
         k.run("import torch")  # nbdistributed loses the first cell after %dist_init: this one
         k.run("import torch\nimport torch.distributed as dist")
         out["trivial"] = [k.time("1") for _ in range(reps)]
