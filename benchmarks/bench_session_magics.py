@@ -135,9 +135,12 @@ def interrupt_then_next(k: Kernel, sleeper: str, ready: str, nxt: str) -> float:
         sent.append(time.perf_counter())
         k.interrupt()
 
-    k.run(sleeper, during=press, check=False)
+    _, interrupted = k.run(sleeper, during=press, check=False)
     k.run(nxt)
-    return time.perf_counter() - sent[0]
+    elapsed = time.perf_counter() - sent[0]
+    errors = [o.get("ename") for o in interrupted.outputs if o.get("output_type") == "error"]
+    print(f"    interrupted cell ended with: {errors or 'no error (the cell counts as a success)'}")
+    return elapsed
 
 
 # -- the three contenders ----------------------------------------------------------------------
@@ -213,7 +216,7 @@ def measure_ipyparallel(reps: int, quick: bool) -> dict:
         out["push"] = [k.time("rc[:].push({'big': big}, block=True);") for _ in range(3)]
         if not quick:
             out["interrupt"] = [interrupt_then_next(
-                k, "%%px\nimport time\ntime.sleep(5)\n", r"", "%%px\n1")]
+                k, "%%px\nimport time\nprint('sleeping', flush=True)\ntime.sleep(5)\n", r"sleeping", "%%px\n1")]
         k.run("cluster.stop_cluster_sync()", check=False)
     finally:
         k.close()

@@ -22,7 +22,7 @@ import linecache
 import os
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 
 def _namespace() -> dict:
@@ -54,7 +54,7 @@ def time_code(source: str, filename: str, cell_text: str) -> Any:
     module = ast.parse(source, filename)
     last: Optional[ast.Expression] = None
     if module.body and isinstance(module.body[-1], ast.Expr):
-        last = ast.Expression(module.body.pop().value)
+        last = ast.Expression(cast(ast.Expr, module.body.pop()).value)
     body = compile(module, filename, "exec", dont_inherit=True)
     tail = compile(last, filename, "eval", dont_inherit=True) if last is not None else None
     cpu0, wall0 = os.times(), time.perf_counter()

@@ -32,7 +32,7 @@ import functools
 import html
 import re
 import shlex
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 from .auto import Piece, route, split_cell
 from .cells import CellSyntaxError, ends_with_semicolon, labelled, notebook_names_for, show_briefly
@@ -117,13 +117,15 @@ def parse_ranks(spec: str, world_size: int) -> list[int]:
 
 
 def format_bytes(n: Optional[int]) -> str:
+    """``173.2 MB``; ``-`` for None (a dead rank, no GPU)."""
     if n is None:
         return "-"
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
+    size = float(n)
+    for unit in ("B", "KB", "MB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GB"
 
 
 def _short_exit(detail: str) -> str:
@@ -194,13 +196,18 @@ def session_magics_class() -> type:
             shell.events.register("post_execute", self._router.post_execute)
             atexit.register(self._forget)
 
+        @property
+        def _sh(self) -> Any:
+            """IPython's shell (never None once registered)."""
+            return self.shell
+
         def _router_remove(self) -> None:
-            if self._router in self.shell.input_transformers_cleanup:
-                self.shell.input_transformers_cleanup.remove(self._router)
+            if self._router in self._sh.input_transformers_cleanup:
+                self._sh.input_transformers_cleanup.remove(self._router)
             for event, fn in (("pre_execute", self._router.pre_execute),
                               ("post_execute", self._router.post_execute)):
                 try:
-                    self.shell.events.unregister(event, fn)
+                    self._sh.events.unregister(event, fn)
                 except ValueError:
                     pass
 
@@ -435,7 +442,7 @@ def session_magics_class() -> type:
             # into a comment and IPython runs it natively. This is run_cell_magic("local", ...).
             self._router.in_kernel += 1
             try:
-                result = self.shell.run_cell(cell, store_history=False)
+                result = self._sh.run_cell(cell, store_history=False)
             finally:
                 self._router.in_kernel -= 1
             if result.error_in_exec is not None or result.error_before_exec is not None:
@@ -458,10 +465,10 @@ def session_magics_class() -> type:
             names = line.split()
             if not names:
                 raise usage("dist_push", "name at least one notebook variable", "%dist_push a [b ...]")
-            missing = [n for n in names if n not in self.shell.user_ns]
+            missing = [n for n in names if n not in self._sh.user_ns]
             if missing:
                 raise usage("dist_push", f"the notebook has no {', '.join(map(repr, missing))}")
-            self._call(lambda: s.push(None, **{n: self.shell.user_ns[n] for n in names}))
+            self._call(lambda: s.push(None, **{n: self._sh.user_ns[n] for n in names}))
             print(f"Sent {', '.join(names)} to ranks {_rank_list(range(s.world_size))}.")
 
         @line_magic
@@ -500,7 +507,7 @@ def session_magics_class() -> type:
                 raise usage("dist_pull", "name a variable of the ranks", "%dist_pull x [--rank k | --all]")
             for name in names:
                 value = self._call(lambda name=name: s.pull(name, rank=None if every else rank))
-                self.shell.user_ns[name] = value
+                self._sh.user_ns[name] = value
             print(f"{', '.join(names)} <- " + ("every rank (a list by rank)" if every else f"rank {rank}"))
 
         @line_magic
@@ -558,7 +565,7 @@ def session_magics_class() -> type:
 
         def _run_cell(self, cell: str, header: Optional[str], ranks: Optional[list[int]], both: bool) -> None:
             """Run a rank cell: its pieces in order (kernel lines in the kernel, code on ``ranks``)."""
-            shell = self.shell
+            shell = self._sh
             s = self._require("distributed" if ranks is None else "rank")
             cell_text = cell if header is None else f"{header}\n{cell}"
             first = 1 if header is None else 2
@@ -593,7 +600,7 @@ def session_magics_class() -> type:
                 return ast.parse(source, filename)
             except SyntaxError as e:
                 e.filename = filename
-                raise CellSyntaxError(e, self.shell.SyntaxTB.structured_traceback(SyntaxError, e, [])) from None
+                raise CellSyntaxError(e, self._sh.SyntaxTB.structured_traceback(SyntaxError, e, [])) from None
 
         def _send_missing_names(self, piece: Piece, s, ranks: Optional[list[int]]) -> None:
             """Names the piece reads that a rank lacks and the notebook has: to that rank, with a note."""
@@ -607,7 +614,7 @@ def session_magics_class() -> type:
                 if missing:
                     by_names.setdefault(tuple(n for n in names if n in missing), []).append(rank)
             for group, group_ranks in by_names.items():
-                values = {n: self.shell.user_ns[n] for n in group}
+                values = {n: self._sh.user_ns[n] for n in group}
                 try:
                     self._call(lambda r=group_ranks, v=values: s.push(r, **v))
                 except (KeyboardInterrupt, RankError):
@@ -622,13 +629,13 @@ def session_magics_class() -> type:
 
         def _run_kernel_line(self, piece: Piece, filename: str) -> None:
             """A %magic / !shell / help line of a rank cell, run in the kernel in its turn."""
-            code = self.shell.transform_cell(piece.source)
-            exec(compile("\n" * (piece.lineno - 1) + code, filename, "exec"), self.shell.user_ns)
+            code = self._sh.transform_cell(piece.source)
+            exec(compile("\n" * (piece.lineno - 1) + code, filename, "exec"), self._sh.user_ns)
 
         def _run_in_kernel(self, cell: str, first: int, filename: str) -> None:
             """``--to both``: the cell in the kernel, its value shown as ``[kernel]``; an error
             shows the cell's frames only and fails the cell."""
-            shell = self.shell
+            shell = self._sh
             self._router.in_kernel += 1
             try:
                 code = shell.transform_cell(cell)
@@ -637,7 +644,7 @@ def session_magics_class() -> type:
             module = self._parse("\n" * (first - 1) + code, filename)
             tail = None
             if module.body and isinstance(module.body[-1], ast.Expr):
-                tail = ast.Expression(module.body.pop().value)
+                tail = ast.Expression(cast(ast.Expr, module.body.pop()).value)
             try:
                 exec(compile(module, filename, "exec"), shell.user_ns)
                 value = eval(compile(tail, filename, "eval"), shell.user_ns) if tail is not None else None
@@ -694,7 +701,7 @@ def session_magics_class() -> type:
 
         def _show_values(self, values: dict) -> None:
             """The last expression's value per rank, labelled; rich values under their label."""
-            formatter = self.shell.display_formatter
+            formatter = self._sh.display_formatter
             lines: list[str] = []
             for rank, value in values.items():
                 if value is None:
