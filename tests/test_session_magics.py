@@ -327,6 +327,18 @@ def test_rich_display_from_ranks_is_labelled(dist):
     assert "[rank 0]" in ran.shown() and "[rank 1]" in ran.shown()
 
 
+def test_ipython_display_and_matplotlib_figures_from_ranks(dist):
+    ran = dist.ok("from IPython.display import display, Markdown\ndisplay(Markdown(f'**rank {rank}**'))")
+    assert sorted(ran.shown("text/markdown")) == ["**rank 0**", "**rank 1**"], ran.outputs
+    ran = dist.ok("import matplotlib.pyplot as plt\nplt.plot([0, rank + 1])\nplt.show()")
+    shown = [o for o in ran.outputs if o.output_type == "display_data"]
+    images = [o for o in shown if "image/png" in o.data]
+    labels = sorted(o.data["text/plain"] for o in shown if "image/png" not in o.data)
+    assert len(images) == 2 and labels == ["[rank 0]", "[rank 1]"], ran.outputs
+    ran = dist.ok("fig_value = plt.figure()\nplt.plot([1, 2])\nfig_value")  # a figure as the value
+    assert len([o for o in ran.outputs if "image/png" in o.get("data", {})]) == 2, ran.outputs  # not 4
+
+
 def test_no_javascript_outputs_ever(dist):
     for cell in dist.nb.cells:
         for o in cell.get("outputs", []):

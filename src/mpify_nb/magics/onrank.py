@@ -110,4 +110,59 @@ def timeit_loops(stmt: str, setup: str, filename: str, cell_text: str, number: i
     return [inner(itertools.repeat(None, number), time.perf_counter) for _ in range(repeat)]
 
 
-__all__ = ["time_code", "timeit_loops", "format_time"]
+#: The rank's own display (the session put it in the namespace), kept by install_display_hook:
+#: the user's `from IPython.display import display` replaces the name in the namespace.
+_send_display: Optional[Callable] = None
+
+
+def _rank_display(*objs: Any, **kwargs: Any) -> None:
+    """``IPython.display.display`` on a rank: the rank's own ``display`` (rich forms to the cell)."""
+    if _send_display is None:
+        print(*objs)
+        return
+    _send_display(*objs)
+
+
+class _PatchDisplayOnImport:
+    """An import hook that, once IPython's display module is imported, points its ``display``
+    at :func:`_rank_display` (so ``from IPython.display import display`` gets it too)."""
+
+    target = "IPython.core.display_functions"
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None):
+        if name != self.target:
+            return None
+        import importlib.util
+
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        run = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            module.display = _rank_display
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def install_display_hook() -> None:
+    """Make ``IPython.display.display`` on this rank send rich forms to the cell."""
+    global _send_display
+    display = getattr(sys.modules.get("__main__"), "display", None)
+    if display is not None and display is not _rank_display:
+        _send_display = display
+    module = sys.modules.get(_PatchDisplayOnImport.target)
+    if module is not None:
+        module.display = _rank_display
+        for name in ("IPython.display", "IPython.core.display", "IPython"):
+            if getattr(sys.modules.get(name), "display", None) is not None:
+                sys.modules[name].display = _rank_display  # type: ignore[attr-defined]
+    elif not any(isinstance(f, _PatchDisplayOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchDisplayOnImport())  # type: ignore[arg-type]
+
+
+__all__ = ["time_code", "timeit_loops", "format_time", "install_display_hook"]

@@ -32,6 +32,7 @@ import functools
 import html
 import re
 import shlex
+import sys
 from typing import Any, Callable, Optional, cast
 
 from .auto import Piece, route, split_cell
@@ -274,6 +275,7 @@ def session_magics_class() -> type:
                 raise
             self._timeout = args.timeout
             self._router.automatic = True
+            self._prepare_ranks(None)
             rows = self._session.status()
             backend = getattr(self._session, "backend", None) or args.backend or ""
             print(f"{args.num_processes} ranks ready{f' ({backend})' if backend else ''}: "
@@ -351,6 +353,7 @@ def session_magics_class() -> type:
                 show_briefly(e, ["KeyboardInterrupt: %dist_restart was interrupted"])
                 raise
             rows = s.status()
+            self._prepare_ranks(ranks if ranks is not None else [r for r, st in before.items() if st == "dead"])
             changed = ranks if ranks is not None else [r for r, state in before.items() if state == "dead"]
             if not changed:
                 print("No rank was dead: nothing restarted.")
@@ -544,6 +547,11 @@ def session_magics_class() -> type:
 
         # -- helpers -----------------------------------------------------------------------------
 
+        def _prepare_ranks(self, ranks: Optional[list[int]]) -> None:
+            """What the magics need on a fresh rank: plt.show() shows its figures in the cell."""
+            if ranks is None or ranks:
+                self._call(lambda: self._session.apply(_prepare_rank, ranks=ranks))
+
         def _require(self, magic: str):
             if self._session is None or self._session.closed:
                 raise UsageError(f"%{magic}: no ranks are running: %dist_init -n N starts them")
@@ -707,6 +715,7 @@ def session_magics_class() -> type:
                 if value is None:
                     continue
                 data, metadata = formatter.format(value)
+                _forget_figure(value)
                 label = f"[{rank}]" if rank == "kernel" else f"[rank {rank}]"
                 if set(data) - {"text/plain"}:
                     if lines:
@@ -723,6 +732,21 @@ def session_magics_class() -> type:
     return SessionMagics
 
 
+def _prepare_rank() -> None:
+    """On a fresh rank: rich display reaches the cell. ``plt.show()`` displays the figures
+    (rankplot's backend, unless the user chose one: the kernel's inline backend, inherited
+    through MPLBACKEND, would only print them), and ``IPython.display.display``, which
+    prints outside a kernel, sends rich forms like the rank's own ``display``."""
+    import os
+
+    from .onrank import install_display_hook
+
+    inline = ("", "module://matplotlib_inline.backend_inline", "module://ipykernel.pylab.backend_inline")
+    if "matplotlib" not in sys.modules and os.environ.get("MPLBACKEND", "") in inline:
+        os.environ["MPLBACKEND"] = "module://mpify_nb.magics.rankplot"
+    install_display_hook()
+
+
 def _sync_on_rank() -> None:
     """%sync on a rank: CUDA work finished, then a barrier on the group."""
     import torch
@@ -732,6 +756,15 @@ def _sync_on_rank() -> None:
         torch.cuda.synchronize()
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def _forget_figure(value: Any) -> None:
+    """A figure a rank returned was unpickled into the kernel's pyplot: close it there, or the
+    kernel's inline backend shows it a second time when the cell ends."""
+    pyplot = sys.modules.get("matplotlib.pyplot")
+    figure = sys.modules.get("matplotlib.figure")
+    if pyplot is not None and figure is not None and isinstance(value, figure.Figure):
+        pyplot.close(value)
 
 
 def _rank_list(ranks) -> str:
