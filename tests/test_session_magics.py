@@ -233,6 +233,15 @@ def test_local_cells_and_dist_mode(dist):
         dist.ok("%dist_mode on")
 
 
+def test_a_frontends_silent_request_stays_in_the_kernel(dist):
+    # Variable explorers and editors send silent execute requests: never to the ranks.
+    reply = run_sync(dist.client.kc.execute_interactive)("silent_probe = 'kernel'", silent=True, timeout=60)
+    assert reply["content"]["status"] == "ok", reply
+    assert dist.value("silent_probe") == "kernel"
+    note = dist.ok("silent_probe").stream()  # the ranks never ran it: they lack the name, and get it now
+    assert note.startswith("[mpify_nb] sent from the notebook to rank 0, 1: silent_probe"), note
+
+
 def test_rank_cells(dist):
     assert dist.ok("%%rank [0]\nonly_zero = 'zero'\nrank").shown() == ["[rank 0] 0"]
     assert dist.ok("%%rank[1]\nrank").shown() == ["[rank 1] 1"]
@@ -528,6 +537,23 @@ def test_shutdown_leaves_no_process_and_reset_allows_a_new_init(dist):
     assert all(gone(p) for p in second)
     assert "No ranks" in dist.ok("%dist_status").stream()
     dist.ok("%dist_init -n 2")  # leave the module's kernel as it found it
+
+
+def test_init_options_timeout_and_gpus(dist):
+    dist.ok("%dist_shutdown")
+    try:
+        if "True" not in dist.ok("import torch\nprint(torch.cuda.is_available())").stream():
+            bad = dist.run("%dist_init -n 2 -g 0,1")
+            assert not bad.ok and bad.reply["content"]["ename"] == "UsageError", bad.outputs
+            assert "needs CUDA GPUs" in bad.stream("stderr")
+            assert "needs CUDA GPUs" in dist.run("%dist_init -n 2 --backend nccl").stream("stderr")
+        assert "at least 1" in dist.run("%dist_init -n 0").stream("stderr")
+        dist.ok("%dist_init -n 2 --timeout 1")
+        ran = dist.fails("import time\ntime.sleep(5)", "TimeoutError")
+        assert dist.ok("rank").shown() == ["[rank 0] 0\n[rank 1] 1"], ran.outputs  # usable after
+    finally:
+        dist.ok("%dist_reset")
+        dist.ok("%dist_init -n 2")  # leave the module's kernel as it found it
 
 
 # -- the example notebook ----------------------------------------------------------------------------

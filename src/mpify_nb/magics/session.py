@@ -66,6 +66,7 @@ class CellRouter:
     def __init__(self) -> None:
         self.automatic = False
         self.running = 0  # cells executing now (pre_execute ... post_execute; nested ones count)
+        self.silent: list[bool] = []  # per running cell: silent (a frontend's own request, no pre_run_cell)
         self.local_cell = False  # the cell executing now is a %%local cell
         self.in_kernel = 0  # >0 while the magics run a cell's code in the kernel (--to both)
 
@@ -84,9 +85,21 @@ class CellRouter:
 
     def pre_execute(self) -> None:
         self.running += 1
+        self.silent.append(True)  # until pre_run_cell says otherwise (IPython skips it for silent ones)
+
+    def pre_run_cell(self, info: Any = None) -> None:
+        if self.silent:
+            self.silent[-1] = False
+
+    def in_silent_cell(self) -> bool:
+        """The running cell is a frontend's silent request (variable explorers, completions):
+        it stays in the kernel even in automatic mode."""
+        return bool(self.silent) and self.silent[-1]
 
     def post_execute(self) -> None:
         self.running = max(0, self.running - 1)
+        if self.silent:
+            self.silent.pop()
         if not self.running:
             self.local_cell = False
 
@@ -194,6 +207,7 @@ def session_magics_class() -> type:
             self._router = CellRouter()
             shell.input_transformers_cleanup.insert(0, self._router)
             shell.events.register("pre_execute", self._router.pre_execute)
+            shell.events.register("pre_run_cell", self._router.pre_run_cell)
             shell.events.register("post_execute", self._router.post_execute)
             atexit.register(self._forget)
 
@@ -206,6 +220,7 @@ def session_magics_class() -> type:
             if self._router in self._sh.input_transformers_cleanup:
                 self._sh.input_transformers_cleanup.remove(self._router)
             for event, fn in (("pre_execute", self._router.pre_execute),
+                              ("pre_run_cell", self._router.pre_run_cell),
                               ("post_execute", self._router.post_execute)):
                 try:
                     self._sh.events.unregister(event, fn)
@@ -261,6 +276,14 @@ def session_magics_class() -> type:
                 gpus = [int(g) for g in args.gpu_ids.replace(" ", "").strip("'\"").split(",")]
             if args.timeout is not None and not args.timeout > 0:
                 raise usage("dist_init", "--timeout must be more than 0 seconds", _INIT_USAGE)
+            if gpus is not None or args.backend == "nccl":
+                import torch
+
+                count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+                wanted = gpus if gpus is not None else list(range(args.num_processes))
+                if max(wanted) >= count:
+                    raise usage("dist_init", f"{'-g ' + args.gpu_ids if gpus is not None else '--backend nccl'} "
+                                             f"needs CUDA GPUs {wanted}; this machine has {count}", _INIT_USAGE)
 
             from ..session import Session
 
@@ -412,6 +435,9 @@ def session_magics_class() -> type:
                 args = parse_argstring(self.distributed, line)
             except UsageError as e:
                 raise usage("distributed", str(e), "%%distributed [--to ranks|both]") from None
+            if args.auto and self._router.in_silent_cell():
+                self._run_in_kernel(cell, 1, self._sh.compile.cache(cell, self._sh.execution_count), show=False)
+                return
             header = None if args.auto else f"%%distributed {line}".rstrip()
             self._run_cell(cell, header, ranks=None, both=args.to == "both")
 
@@ -640,7 +666,7 @@ def session_magics_class() -> type:
             code = self._sh.transform_cell(piece.source)
             exec(compile("\n" * (piece.lineno - 1) + code, filename, "exec"), self._sh.user_ns)
 
-        def _run_in_kernel(self, cell: str, first: int, filename: str) -> None:
+        def _run_in_kernel(self, cell: str, first: int, filename: str, show: bool = True) -> None:
             """``--to both``: the cell in the kernel, its value shown as ``[kernel]``; an error
             shows the cell's frames only and fails the cell."""
             shell = self._sh
@@ -664,7 +690,7 @@ def session_magics_class() -> type:
                     stb = shell.InteractiveTB.structured_traceback(type(e), e, tb)
                     show_briefly(e, ["[kernel]", *stb] if isinstance(stb, list) else None)
                 raise
-            if value is not None and not ends_with_semicolon(cell):
+            if show and value is not None and not ends_with_semicolon(cell):
                 self._show_values({"kernel": value})
 
         def _timeit(self, s, piece: Piece, ranks: Optional[list[int]], filename: str, cell_text: str):
