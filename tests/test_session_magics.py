@@ -369,6 +369,11 @@ def test_time_and_timeit_measure_on_the_ranks(dist):
     # A collective in %timeit: every rank loops as many times (the kernel picks the count).
     ran = dist.ok("timed_t = torch.ones(1)\n%timeit -r 2 dist.all_reduce(timed_t)")
     assert ran.stream("stdout").count("per loop") == 2
+    ran = dist.ok("timed_v = %time rank + 5\nres = %timeit -o -n 2 -r 2 timed_v * 2")
+    assert ran.stream("stdout").count("Wall time") == 2 and ran.stream("stdout").count("per loop") == 2
+    assert dist.ok("timed_v").shown() == ["[rank 0] 5\n[rank 1] 6"]  # assigned on the ranks
+    assert dist.value("sorted(res)") == [0, 1]  # the results, by rank, in the notebook
+    assert dist.value("res[1].loops") == 2
     ran = dist.ok("%%time\ntimed_cell = timed + 1\ntimed_cell")
     assert "[rank 1] Wall time" in ran.stream("stdout") and ran.shown() == ["[rank 0] 1\n[rank 1] 3"]
 

@@ -34,7 +34,7 @@ TIMING_MAGICS = ("time", "timeit")
 ROUTING_CELL_MAGICS = ("distributed", "rank", "local", "ranch")
 
 #: %time / %timeit lines: their code is timed on the ranks.
-_TIMING_LINE = re.compile(r"%(time|timeit)(?:\s+(.*))?$")
+_TIMING_LINE = re.compile(r"(?:(\w+)\s*=\s*)?%(time|timeit)(?:\s+(.*))?$")
 _CELL_MAGIC = re.compile(r"%%(\w+)")
 _RANK_NO_SPACE = re.compile(r"%%rank(\[)")  # nbdistributed's spelling: %%rank[0,1]
 #: A line IPython runs as a magic, a shell command or a help request (not Python).
@@ -63,6 +63,7 @@ class Piece:
     lineno: int  # the piece's first line in the cell (1-based)
     options: str = ""
     setup: str = ""
+    target: str = ""  # `name = %timeit -o ...`: the notebook variable that gets the results
 
 
 @dataclass
@@ -186,14 +187,14 @@ def split_cell(cell: str, first_lineno: int = 1) -> CellPlan:
         line = lines[i]
         timing = _TIMING_LINE.match(line.rstrip("\n"))
         if timing:
-            magic, arg = timing.group(1), (timing.group(2) or "")
-            if magic == "time":
-                code = arg
+            target, magic, arg = timing.group(1), timing.group(2), (timing.group(3) or "")
+            if magic == "time":  # `x = %time f()`: x = f() on each rank, timed there
+                code = f"{target} = {arg}" if target else arg
                 plan.pieces.append(Piece("time", blanked(range(i, i + 1), {i: code + "\n"}), first_lineno + i))
-            else:
+            else:  # `r = %timeit -o f()`: r in the notebook, {rank: TimeitResult}
                 options, code = _split_timeit_line(arg)
                 plan.pieces.append(Piece("timeit", blanked(range(i, i + 1), {i: code + "\n"}),
-                                         first_lineno + i, options=options))
+                                         first_lineno + i, options=options, target=target or ""))
             code_lines[i] = code + "\n"
         else:
             plan.pieces.append(Piece("kernel", line, first_lineno + i))

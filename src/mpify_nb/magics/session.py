@@ -626,6 +626,8 @@ def session_magics_class() -> type:
                                                                 ranks=ranks, timeout=self._timeout))
                 else:
                     values = self._timeit(s, piece, ranks, filename, cell_text)
+                    if piece.target:
+                        self._sh.user_ns[piece.target], values = values, None
                 if last and not quiet and values:
                     self._show_values(values)
 
@@ -716,7 +718,7 @@ def session_magics_class() -> type:
                        for rank, t in sorted(loops(number, repeat).items())}
             if "q" not in opts:
                 print("\n".join(labelled(rank, str(result)) for rank, result in results.items()))
-            return results if "o" in opts else None
+            return results if "o" in opts or piece.target else None
 
         def _show_display(self, rank: int, bundle: dict) -> None:
             """Rich display from a rank (display(df), a figure), labelled, in the running cell."""
