@@ -220,6 +220,8 @@ def test_ordinary_cells_run_on_every_rank_and_keep_their_state(dist):
 def test_local_cells_and_dist_mode(dist):
     dist.ok("%%local\nlocal_only = 5")
     assert dist.value("local_only") == 5
+    dist.ok("%%local\nlocal_timed = %time local_only + 1")  # code a kernel magic runs stays local too
+    assert dist.value("local_timed") == 6
     assert dist.fails("local_only_on_ranks", "RankRaisedError")
     assert "Automatic mode is on" in dist.ok("%dist_mode").stream()
     try:
