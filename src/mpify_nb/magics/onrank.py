@@ -138,7 +138,7 @@ class _PatchDisplayOnImport:
         spec = importlib.util.find_spec(name)
         if spec is None or spec.loader is None:
             return spec
-        loader = spec.loader
+        loader: Any = spec.loader
         run = loader.exec_module
 
         def exec_module(module: Any) -> None:
@@ -157,10 +157,10 @@ def install_display_hook() -> None:
         _send_display = display
     module = sys.modules.get(_PatchDisplayOnImport.target)
     if module is not None:
-        module.display = _rank_display
+        setattr(module, "display", _rank_display)  # noqa: B010 (a module attribute type checkers can't see)
         for name in ("IPython.display", "IPython.core.display", "IPython"):
             if getattr(sys.modules.get(name), "display", None) is not None:
-                sys.modules[name].display = _rank_display  # type: ignore[attr-defined]
+                setattr(sys.modules[name], "display", _rank_display)  # noqa: B010
     elif not any(isinstance(f, _PatchDisplayOnImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _PatchDisplayOnImport())  # type: ignore[arg-type]
 

@@ -282,8 +282,9 @@ def session_magics_class() -> type:
                 count = torch.cuda.device_count() if torch.cuda.is_available() else 0
                 wanted = gpus if gpus is not None else list(range(args.num_processes))
                 if max(wanted) >= count:
-                    raise usage("dist_init", f"{'-g ' + args.gpu_ids if gpus is not None else '--backend nccl'} "
-                                             f"needs CUDA GPUs {wanted}; this machine has {count}", _INIT_USAGE)
+                    asked = f"-g {args.gpu_ids}" if gpus is not None else "--backend nccl"
+                    raise usage("dist_init", f"{asked} needs CUDA GPUs {wanted}; this machine has {count}",
+                                _INIT_USAGE)
 
             from ..session import Session
 
