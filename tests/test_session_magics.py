@@ -376,8 +376,19 @@ def test_time_and_timeit_measure_on_the_ranks(dist):
     assert dist.ok("timed_v").shown() == ["[rank 0] 5\n[rank 1] 6"]  # assigned on the ranks
     assert dist.value("sorted(res)") == [0, 1]  # the results, by rank, in the notebook
     assert dist.value("res[1].loops") == 2
+    ran = dist.ok("%%timeit -n 2 -r 3 timed_setup = 1\ntimed_setup + rank")
+    assert ran.stream("stdout").count("(mean ± std. dev. of 3 runs, 2 loops each)") == 2, ran.outputs
     ran = dist.ok("%%time\ntimed_cell = timed + 1\ntimed_cell")
     assert "[rank 1] Wall time" in ran.stream("stdout") and ran.shown() == ["[rank 0] 1\n[rank 1] 3"]
+
+
+def test_magic_lines_in_a_rank_cell_run_in_the_kernel_in_their_turn(dist):
+    dist.ok("%%local\norder_src = 41")
+    ran = dist.ok("%dist_push order_src\norder_dst = order_src + rank\n%dist_pull order_dst --rank 1\n"
+                  "order_dst * 10")
+    assert "sent from the notebook" not in ran.stream()  # pushed on purpose, before the code ran
+    assert ran.shown() == ["[rank 0] 410\n[rank 1] 420"]
+    assert dist.value("order_dst") == 42
 
 
 def test_capture_captures_the_ranks_output(dist):
