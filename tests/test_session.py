@@ -108,6 +108,19 @@ def test_a_collective_some_rank_never_joins_fails_fast_and_the_group_is_rebuilt(
     assert session.run("kept") == {0: 100, 1: 101}
 
 
+def test_a_subgroup_collective_blames_only_its_members_and_a_held_group_is_unstuck():
+    """Rank 2 is not in the subgroup, so it is not waited for; rank 1 holds the subgroup in
+    its namespace (as a DDP wrapper would), which must not keep rank 0 stuck."""
+    with Session(3) as s:
+        s.run("g = dist.new_group([0, 1])\nkept = rank")
+        assert s.run("t = torch.ones(1)\nif rank < 2:\n    dist.all_reduce(t, group=g)\nt.item()") == {
+            0: 2.0, 1: 2.0, 2: 1.0}
+        with pytest.raises(CollectiveError) as info:
+            s.run("t = torch.ones(1)\nif rank == 0:\n    dist.all_reduce(t, group=g)")
+        assert info.value.waiting == [0] and info.value.missing == [1]
+        assert s.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item(), kept") == {r: (3.0, r) for r in range(3)}
+
+
 def test_interrupt_stops_every_rank_keeps_state_and_the_next_call_works(session):
     idents = identities(session)
     session.run("kept = rank")
@@ -250,3 +263,22 @@ def test_merge_rank_errors_keeps_different_errors_apart():
     assert merge_rank_errors([b, a]).ranks == [0, 1]
     root = merge_rank_errors([a, c])
     assert root.ranks == [root.rank] and len(root.others) == 1
+
+
+def test_rich_display_from_a_rank_reaches_the_callback(session, capsys):
+    shown = []
+    session.run("class Bold:\n    def _repr_html_(self):\n        return f'<b>{rank}</b>'\n"
+                "from IPython.display import display as ipython_display\nipython_display(Bold())",
+                display=lambda rank, bundle: shown.append((rank, bundle.get("text/html"))))
+    assert sorted(shown) == [(0, "<b>0</b>"), (1, "<b>1</b>")]
+    session.run("display(42)", ranks=[1])  # no callback: the text, labelled
+    assert capsys.readouterr().out == "[rank 1] 42\n"
+
+
+def test_a_figure_drawn_on_a_rank_is_shown_at_the_end_of_the_cell(session):
+    pytest.importorskip("matplotlib")
+    shown = []
+    session.run("import matplotlib.pyplot as plt\nplt.plot([1, 2, rank])", ranks=[0],
+                display=lambda rank, bundle: shown.append((rank, sorted(bundle))))
+    assert shown == [(0, ["image/png", "text/plain"])]
+    assert session.run("len(plt.get_fignums())", ranks=[0]) == {0: 0}  # closed after, as inline does

@@ -111,8 +111,10 @@ class _Member:
         self.device = "?"
         self.req = proto.NO_REQUEST  # the request it runs for us now
         self.answer: Optional[tuple[bytes, Any, list[int]]] = None  # (kind, body, fds) for self.req
-        self.collective: Optional[tuple[str, float]] = None  # (op, since) while blocked in one
+        # (op, since, ranks of its group or None for all) while blocked in a collective
+        self.collective: Optional[tuple[str, float, Optional[list[int]]]] = None
         self.gpu_memory: Optional[int] = None
+        self.aborts = 0  # ABORT_GROUP sent and not yet acknowledged
         self.last_cell = ""
         self.exit_error: Optional[RankExitedError] = None
         self.start_failure: Optional[RemoteFailure] = None
@@ -362,6 +364,10 @@ class Session:
     def _start(self, ranks: list[int]) -> None:
         """Start ``ranks`` (fresh processes) and, with ddp, (re)build the group with every
         live member; return once all have joined."""
+        # No rank may still be cutting connections to its peers when the new group's are made.
+        deadline = time.monotonic() + 5.0
+        while any(m.alive and m.aborts > 0 for m in self._members.values()) and time.monotonic() < deadline:
+            self._pump(0.05)
         listener, port = _listener(self.world_size) if self.ddp else (None, 0)
         try:
             live_old = [m for m in self._members.values() if m.alive and m.rank not in ranks]
@@ -614,10 +620,13 @@ class Session:
         """Ranks blocked in a collective for this call, and the ranks that cannot join it
         (idle, finished, dead)."""
         stuck = [m for m in self._members.values() if m.alive and m.req == req and m.collective]
-        if not stuck:
-            return [], []
-        missing = [m for m in self._members.values() if not m.alive or m.req != req]
-        return stuck, missing
+        needed: set[int] = set()
+        for m in stuck:
+            assert m.collective is not None
+            group = m.collective[2]
+            needed.update(self._members if group is None else group)
+        missing = [m for r, m in self._members.items() if r in needed and (not m.alive or m.req != req)]
+        return (stuck, missing) if missing else ([], [])
 
     def _collective_failed(self, members: list[_Member], req: int, stuck: list[_Member],
                            missing: list[_Member]) -> None:
@@ -685,11 +694,14 @@ class Session:
                 m.answer = None
 
     def _abort_group(self) -> None:
-        """Every live rank destroys its group: a gloo peer blocked in a collective raises."""
+        """Every live rank cuts its connections to the others and destroys its groups: a rank
+    blocked in a gloo collective raises at once (see session_rank._cut_connections)."""
         self._group_broken = True
-        for m in self._members.values():
-            if m.alive:
-                self._send_control(m, proto.ABORT_GROUP, proto.NO_REQUEST)
+        live = [m for m in self._members.values() if m.alive]
+        for m in live:
+            peers = pickle.dumps([p.pid for p in live if p is not m])
+            m.aborts += 1
+            self._send_control(m, proto.ABORT_GROUP, proto.NO_REQUEST, peers)
 
     def _rebuild(self) -> bool:
         """A new group on a new port, in place, on every rank (all must be alive and idle)."""
@@ -763,9 +775,11 @@ class Session:
             self._unregister(m.control)
             return
         kind, req, body = proto.unpack(message[0])
-        if kind == proto.COLLECTIVE and req == m.req:
-            op, since = pickle.loads(body)
-            m.collective = (op, since) if op else None
+        if kind == proto.ABORTED:
+            m.aborts -= 1
+        elif kind == proto.COLLECTIVE and req == m.req:
+            op, since, group = pickle.loads(body)
+            m.collective = (op, since, group) if op else None
 
     def _on_death(self, m: _Member) -> None:
         if not m.alive:
@@ -829,9 +843,9 @@ class Session:
         except (KeyError, ValueError):
             pass
 
-    def _send_control(self, m: _Member, kind: bytes, req: int) -> None:
+    def _send_control(self, m: _Member, kind: bytes, req: int, body: bytes = b"") -> None:
         try:
-            wire.send(m.control, proto.pack(kind, req))
+            wire.send(m.control, proto.pack(kind, req, body))
         except OSError:
             pass
 

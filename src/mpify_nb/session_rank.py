@@ -11,7 +11,8 @@ socketpair. It then never exits on its own::
                  <── DONE / FAIL / DISPLAY ────────────   in its persistent __main__ namespace
     control      ── INTERRUPT req / ABORT_GROUP ──────> control thread: SIGINT to the main
     channel      <── COLLECTIVE (req, op, since) ──────  thread (only while it runs req);
-                                                          destroy the group (unsticks peers);
+                 <── ABORTED ──────────────────────────  cut the connections to the peers and
+                                                          destroy the group (unsticks them);
                                                           watches the main thread's stack:
                                                           "blocked in dist.all_reduce since t"
                   (control channel closes) ───────────> the caller is gone: kill self
@@ -40,7 +41,7 @@ import threading
 import time
 from typing import Any, NoReturn, Optional
 
-from . import payload, wire
+from . import payload, rank_display, wire
 from .errors import RemoteFailure, safe_str
 
 # -- the protocol (both directions: a kind byte, a request id, a body) ----------------------
@@ -48,7 +49,7 @@ from .errors import RemoteFailure, safe_str
 RUN, APPLY, PUSH, PULL, MISSING, GROUP = b"r", b"a", b"p", b"l", b"m", b"g"  # work channel, to the rank
 INTERRUPT, ABORT_GROUP = b"i", b"x"  # control channel, to the rank
 READY, DONE, FAIL, DISPLAY = b"R", b"D", b"F", b"P"  # work channel, from the rank
-COLLECTIVE = b"C"  # control channel, from the rank
+COLLECTIVE, ABORTED = b"C", b"A"  # control channel, from the rank
 
 _ID = struct.Struct("!Q")
 NO_REQUEST = 0
@@ -93,7 +94,8 @@ def serve(channel: socket.socket, config: dict, fds: list[int]) -> NoReturn:
     signal.signal(signal.SIGINT, lambda signum, frame: _on_sigint(state))
     threading.Thread(target=_control_loop, args=(control, state), name="mpify_nb-control", daemon=True).start()
     ready: dict = {}
-    namespace["display"] = lambda *objs: _display(channel, state, objs)
+    rank_display.install(lambda bundle: _send(channel, pack(DISPLAY, state.request, pickle.dumps(bundle))))
+    namespace["display"] = rank_display.display
     try:
         ready = _start(namespace, config["rank"], session, listen_fd)
         reply = pack(READY, NO_REQUEST, pickle.dumps(ready))
@@ -175,12 +177,81 @@ def _init_group(port: int, listen_fd: Optional[int]) -> None:
     dist.init_process_group(backend=_group["backend"], rank=rank, world_size=world, store=store)
 
 
+def _cut_connections(peer_pids: list[int]) -> None:
+    """Shut down this rank's TCP connections to its peer ranks (gloo's pairs, the store's).
+
+    Destroying a group is not enough to unstick a collective: its connections close only
+    when the last reference to it goes, and the user's namespace may hold one (a subgroup
+    ``g``, a DistributedDataParallel wrapper). A shut-down connection makes gloo raise at
+    once, in this rank ("Read error") and in the peer ("Connection closed by peer"), even
+    when both are blocked. Only connections whose other end belongs to a peer rank are cut:
+    the user's own sockets are left alone."""
+    mine = _socket_inodes("self")
+    theirs: set[str] = set()
+    for pid in peer_pids:
+        theirs |= set(_socket_inodes(str(pid)))
+    table = _tcp_table()
+    peer_ends = {table[inode][0] for inode in theirs if inode in table}
+    # The store's connections stay: cut, torch prints a C++ stack for each; the group's
+    # destruction ends them anyway.
+    store = f":{int(os.environ.get('MASTER_PORT', '0') or 0):04X}"
+    for inode, fd in mine.items():
+        ends = table.get(inode)
+        if ends is None or ends[1] not in peer_ends or ends[0].endswith(store) or ends[1].endswith(store):
+            continue
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            sock.shutdown(socket.SHUT_RDWR)  # the fd stays gloo's; only the connection ends
+        except OSError:
+            pass
+        finally:
+            sock.close()
+
+
+def _socket_inodes(pid: str) -> dict[str, int]:
+    """{socket inode: fd} of a process."""
+    found: dict[str, int] = {}
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return found
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            found[target[8:-1]] = int(fd)
+    return found
+
+
+def _tcp_table() -> dict[str, tuple[str, str]]:
+    """{inode: (local endpoint, remote endpoint)} of every TCP socket of this network namespace."""
+    table: dict[str, tuple[str, str]] = {}
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(name) as f:
+                next(f)
+                for line in f:
+                    fields = line.split()
+                    if len(fields) > 9:
+                        table[fields[9]] = (fields[1], fields[2])
+        except OSError:
+            continue
+    return table
+
+
 def _destroy_group() -> None:
+    """Tear down every process group of this rank (the user's subgroups too)."""
     try:
         import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if not dist.is_initialized():
+            return
+        dist.destroy_process_group()
     except Exception:
         pass  # a group torn down by its peers may fail to say goodbye; it is gone either way
 
@@ -235,19 +306,6 @@ def _handle(kind: bytes, req_id: int, body, fds: list[int], namespace: dict, sta
     return pack(DONE, req_id, data), out_fds
 
 
-def _display(channel: socket.socket, state: _State, objs: tuple) -> None:
-    """``display(obj)`` on a rank: its rich forms (IPython's formatter, when installed) go to
-    the caller, which shows them in the cell, labelled."""
-    for obj in objs:
-        try:
-            from IPython.core.formatters import DisplayFormatter
-
-            bundle, _metadata = DisplayFormatter().format(obj)
-        except Exception:
-            bundle = {"text/plain": _safe_repr(obj)}
-        _send(channel, pack(DISPLAY, state.request, pickle.dumps(bundle)))
-
-
 def _see_namespace(fn, namespace: dict) -> None:
     """A function shipped by value brings a globals dict of its own (the names it used where
     it was defined). Let it, and the shipped functions it reaches, also see this rank's
@@ -287,15 +345,17 @@ def _run_source(source: str, filename: str, want_value: bool, namespace: dict, s
     tree = ast.parse(source, filename, "exec")
     last = None
     if want_value and tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = ast.Expression(tree.body.pop().value)
+        expr = tree.body.pop()
+        assert isinstance(expr, ast.Expr)
+        last = ast.Expression(expr.value)
     body = compile(tree, filename, "exec")
     tail = compile(last, filename, "eval") if last is not None else None
     state.in_user_code = True
     try:
         exec(body, namespace)
-        if tail is not None:
-            return eval(tail, namespace)
-        return None
+        value = eval(tail, namespace) if tail is not None else None
+        rank_display.flush_figures()  # as the inline backend: what the cell drew, shown at its end
+        return value
     finally:
         state.in_user_code = False
 
@@ -339,7 +399,7 @@ def _control_loop(control: socket.socket, state: _State) -> None:
     """Interrupts and group aborts from the caller, and the collective watch; if the caller
     goes away (its end closes), end this rank and everything it started."""
     watched = NO_REQUEST
-    collective: Optional[str] = None
+    collective: Optional[tuple[str, Optional[list[int]]]] = None
     while True:
         busy = state.request != NO_REQUEST
         ready = select.select([control, state.wake_r], [], [], _WATCH_PERIOD if busy else None)[0]
@@ -361,7 +421,9 @@ def _control_loop(control: socket.socket, state: _State) -> None:
                     if state.request == req_id:
                         signal.pthread_kill(state.main_ident, signal.SIGINT)
             elif kind == ABORT_GROUP:
+                _cut_connections(pickle.loads(_body))
                 _destroy_group()
+                _send(control, pack(ABORTED, req_id))  # the caller rebuilds only after every ack
         request = state.request
         if request != watched:
             watched, collective = request, None
@@ -370,21 +432,39 @@ def _control_loop(control: socket.socket, state: _State) -> None:
         now_in = _collective_of(state.main_ident)
         if now_in != collective:
             collective = now_in
-            _send(control, pack(COLLECTIVE, request, pickle.dumps((now_in, time.monotonic()))))
+            op, members = now_in or (None, None)
+            _send(control, pack(COLLECTIVE, request, pickle.dumps((op, time.monotonic(), members))))
 
 
-def _collective_of(thread_id: int) -> Optional[str]:
-    """The torch.distributed operation ``thread_id`` is blocked in, or None. Its innermost
-    Python frame tells: a collective waits in C++ under its c10d function's frame."""
+def _collective_of(thread_id: int) -> Optional[tuple[str, Optional[list[int]]]]:
+    """The torch.distributed operation ``thread_id`` is blocked in, and the ranks of its group
+    (None: the whole world), or None. The innermost Python frame tells: a collective waits
+    in C++ under its c10d function's frame."""
     frame = sys._current_frames().get(thread_id)
     if frame is None:
         return None
     filename = frame.f_code.co_filename
     if filename.endswith(os.path.join("distributed", "distributed_c10d.py")):
-        return frame.f_code.co_name
+        return frame.f_code.co_name, _group_ranks(frame)
     if filename.endswith(os.path.join("nn", "parallel", "distributed.py")):
-        return f"DistributedDataParallel.{frame.f_code.co_name}"
+        return f"DistributedDataParallel.{frame.f_code.co_name}", None
     return None
+
+
+def _group_ranks(frame) -> Optional[list[int]]:
+    """The global ranks of the ``group`` a c10d function was called with (None: the world),
+    so a collective on a subgroup is not blamed on ranks outside it."""
+    try:
+        group = frame.f_locals.get("group")
+        if group is None:
+            return None
+        import torch.distributed as dist
+
+        if group is dist.GroupMember.WORLD:
+            return None
+        return sorted(dist.get_process_group_ranks(group))
+    except Exception:
+        return None
 
 
 def _caller_gone() -> NoReturn:
