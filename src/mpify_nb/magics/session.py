@@ -299,7 +299,6 @@ def session_magics_class() -> type:
                 raise
             self._timeout = args.timeout
             self._router.automatic = True
-            self._prepare_ranks(None)
             rows = self._session.status()
             backend = getattr(self._session, "backend", None) or args.backend or ""
             print(f"{args.num_processes} ranks ready{f' ({backend})' if backend else ''}: "
@@ -377,7 +376,6 @@ def session_magics_class() -> type:
                 show_briefly(e, ["KeyboardInterrupt: %dist_restart was interrupted"])
                 raise
             rows = s.status()
-            self._prepare_ranks(ranks if ranks is not None else [r for r, st in before.items() if st == "dead"])
             changed = ranks if ranks is not None else [r for r, state in before.items() if state == "dead"]
             if not changed:
                 print("No rank was dead: nothing restarted.")
@@ -574,11 +572,6 @@ def session_magics_class() -> type:
 
         # -- helpers -----------------------------------------------------------------------------
 
-        def _prepare_ranks(self, ranks: Optional[list[int]]) -> None:
-            """What the magics need on a fresh rank: plt.show() shows its figures in the cell."""
-            if ranks is None or ranks:
-                self._call(lambda: self._session.apply(_prepare_rank, ranks=ranks))
-
         def _require(self, magic: str):
             if self._session is None or self._session.closed:
                 raise UsageError(f"%{magic}: no ranks are running: %dist_init -n N starts them")
@@ -759,21 +752,6 @@ def session_magics_class() -> type:
                 publish_display_data({"text/plain": "\n".join(lines)})
 
     return SessionMagics
-
-
-def _prepare_rank() -> None:
-    """On a fresh rank: rich display reaches the cell. ``plt.show()`` displays the figures
-    (rankplot's backend, unless the user chose one: the kernel's inline backend, inherited
-    through MPLBACKEND, would only print them), and ``IPython.display.display``, which
-    prints outside a kernel, sends rich forms like the rank's own ``display``."""
-    import os
-
-    from .onrank import install_display_hook
-
-    inline = ("", "module://matplotlib_inline.backend_inline", "module://ipykernel.pylab.backend_inline")
-    if "matplotlib" not in sys.modules and os.environ.get("MPLBACKEND", "") in inline:
-        os.environ["MPLBACKEND"] = "module://mpify_nb.magics.rankplot"
-    install_display_hook()
 
 
 def _sync_on_rank() -> None:
