@@ -514,6 +514,17 @@ def test_a_killed_rank_fails_the_cell_shows_dead_and_restarts(dist):
     assert pids(dist)[0] != before[0]
 
 
+def test_magics_are_listed_and_have_help(dist):
+    listing = dist.ok("%lsmagic").shown()[0]
+    for name in ("%dist_init", "%dist_mode", "%dist_push", "%dist_pull", "%sync", "%dist_status", "%dist_restart",
+                 "%dist_shutdown", "%dist_reset", "%%distributed", "%%rank", "%%local"):
+        assert name in listing, name
+    ran = dist.ok("%dist_init?")
+    page = "".join(p["data"]["text/plain"] for p in ran.reply["content"]["payload"] if p.get("source") == "page")
+    page = re.sub(r"\x1b\[[0-9;]*m", "", page)
+    assert "%dist_init -n N [-g IDS] [--backend gloo|nccl] [--timeout S]" in page and "automatic" in page, page
+
+
 def test_usage_errors(dist):
     for line, message in [("%dist_pull", "name a variable"),
                           ("%dist_push nothing_like_this", "the notebook has no 'nothing_like_this'"),
