@@ -11,6 +11,15 @@ Two ways a rank can fail, as in ``torch.multiprocessing.spawn``:
   signal, segfault, OOM killer, ``os._exit``).
 
 Both derive from ``RankError`` (a ``RuntimeError``) and name the rank.
+
+A :class:`~mpify_nb.Session` (persistent ranks) adds two more:
+
+* ``CollectiveError``: some ranks waited in a collective (``all_reduce``...) that
+  other ranks never joined (they were idle, or had raised); the group was rebuilt.
+* ``SessionClosedError``: the session was closed, so there is nothing to run on.
+
+and :func:`merge_rank_errors`, which reports the same error raised by several ranks
+once, naming the list of ranks.
 """
 
 from __future__ import annotations
@@ -45,6 +54,8 @@ class RankError(RuntimeError):
     def __init__(self, rank: int, message: str, when: Optional[float] = None):
         super().__init__(message)
         self.rank = rank
+        #: every rank this error stands for (several when identical errors were merged)
+        self.ranks: list[int] = [rank]
         self.others: list[RankError] = []
         # time.monotonic() when it failed (the same clock in every process of this machine):
         # of several failures, the earliest is the root cause.
@@ -65,12 +76,15 @@ class RankRaisedError(RankError):
     """
 
     def __init__(self, rank: int, exc_type: str, exc_message: str, remote_traceback: str,
-                 when: Optional[float] = None):
+                 when: Optional[float] = None, ranks: Optional[list[int]] = None):
         self.exc_type = exc_type
         self.exc_message = exc_message
         self.remote_traceback = remote_traceback
-        head = f"rank {rank} raised {exc_type}: {exc_message}" if exc_message else f"rank {rank} raised {exc_type}"
-        super().__init__(rank, f"{head}\n\n--- traceback from rank {rank} ---\n{remote_traceback.rstrip()}", when)
+        who = f"rank {rank}" if not ranks or len(ranks) == 1 else f"ranks {sorted(ranks)}"
+        head = f"{who} raised {exc_type}: {exc_message}" if exc_message else f"{who} raised {exc_type}"
+        super().__init__(rank, f"{head}\n\n--- traceback from {who} ---\n{remote_traceback.rstrip()}", when)
+        if ranks:
+            self.ranks = sorted(ranks)
 
 
 class RankExitedError(RankError):
@@ -101,6 +115,72 @@ class RankExitedError(RankError):
         if detail:
             msg += f": {detail}"
         super().__init__(rank, msg)
+
+
+class CollectiveError(RankError):
+    """Ranks of a :class:`~mpify_nb.Session` waited in a collective that other ranks never joined.
+
+    Attributes:
+        waiting: the ranks that were blocked in the collective (``op``, e.g. ``"all_reduce"``).
+        missing: the ranks that never joined it (idle, finished, or failed: see ``errors``).
+        errors: what the missing ranks raised meanwhile, if anything (``RankRaisedError``s).
+        rebuilt: True when the process group was rebuilt afterwards (the next collective works).
+
+    Every rank's Python state is kept; objects made on the old group (a DDP wrapper, a
+    subgroup) must be made again.
+    """
+
+    def __init__(self, waiting: list[int], missing: list[int], op: str = "a collective",
+                 errors: Optional[list[RankError]] = None, rebuilt: bool = True):
+        self.waiting = sorted(waiting)
+        self.missing = sorted(missing)
+        self.op = op
+        self.errors = list(errors or [])
+        self.rebuilt = rebuilt
+        who = _rank_list(self.waiting)
+        verb = "was" if len(self.waiting) == 1 else "were"
+        msg = (f"{who} {verb} waiting in {op}, which {_rank_list(self.missing)} never joined; "
+               + ("the process group was rebuilt (Python state kept; re-create objects made on the old "
+                  "group, e.g. DistributedDataParallel)" if rebuilt else "the process group is broken"))
+        for err in self.errors:
+            msg += f"\n\nmeanwhile {err}"
+        super().__init__(self.missing[0] if self.missing else self.waiting[0], msg)
+        self.ranks = self.missing or self.waiting
+
+
+class SessionClosedError(RuntimeError):
+    """The :class:`~mpify_nb.Session` is closed: start a new one."""
+
+
+def merge_rank_errors(errors: list[RankError]) -> RankError:
+    """One error for several ranks' failures: identical ``RankRaisedError``s (same type,
+    message and traceback) become one that names the list of ranks; of different errors
+    the earliest is returned, the rest in its ``.others``.
+
+    >>> e = merge_rank_errors([err_rank0, err_rank1])   # both raised NameError('t')
+    >>> e.ranks
+    [0, 1]
+    """
+    if not errors:
+        raise ValueError("merge_rank_errors needs at least one error")
+    errors = sorted(errors, key=lambda e: e.rank)
+    if len(errors) > 1 and all(isinstance(e, RankRaisedError) for e in errors):
+        raised = [e for e in errors if isinstance(e, RankRaisedError)]
+        key = (raised[0].exc_type, raised[0].exc_message, raised[0].remote_traceback)
+        if all((e.exc_type, e.exc_message, e.remote_traceback) == key for e in raised):
+            merged = RankRaisedError(raised[0].rank, *key, when=min(e.when for e in raised),
+                                     ranks=[e.rank for e in raised])
+            merged.__cause__ = raised[0].__cause__
+            return merged
+    root = min(errors, key=lambda e: e.when)
+    root.others = [e for e in errors if e is not root] + root.others
+    return root
+
+
+def _rank_list(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return f"ranks {ranks}"
 
 
 class PayloadError(TypeError):
@@ -194,7 +274,8 @@ def _user_frames(frames):
 
 
 def _is_library_file(filename: str) -> bool:
-    return os.path.dirname(os.path.abspath(filename)) == _PACKAGE_DIR
+    """A file of this package or of one of its subpackages (magics/)."""
+    return os.path.abspath(filename).startswith(_PACKAGE_DIR + os.sep)
 
 
 def _location(filename: str) -> str:

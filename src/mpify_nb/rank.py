@@ -69,6 +69,10 @@ def main(channel_fd: int, expected_parent: int) -> None:
         rank = config["rank"]
         set_process_name(f"mpify_nb-rank{rank}")
         _apply(config)
+        if config.get("session"):  # a persistent rank of a Session: serve requests until closed
+            from .session_rank import serve
+
+            serve(channel, config, setup[1])
         message = wire.recv(channel)
         if message is None:
             os._exit(1)

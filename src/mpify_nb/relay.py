@@ -16,6 +16,12 @@ drained, so a rank can never block on a full pipe, and nothing is lost at exit.
 
 The thread runs in a copy of the caller's ``contextvars`` context: ipykernel
 uses one to route output to the cell that started the call.
+
+A :class:`~mpify_nb.Session` (persistent ranks) uses the same line assembly without
+the thread: its ranks' pipes outlive every call, so it ``adopt``-s their read ends
+and ``pump``-s them from its own wait loop, on the caller's thread, writing to the
+streams of the cell running now (``retarget``); ``end_call`` drains them at the end
+of each call so nothing spills into the next cell.
 """
 
 from __future__ import annotations
@@ -103,6 +109,8 @@ class OutputRelay:
         self._selector = selectors.DefaultSelector()
         self._pending: dict[int, bytes] = {}
         self._partial_since: dict[int, float] = {}  # fd -> when its pending partial line began
+        self._where: dict[int, tuple[int, int]] = {}  # fd -> (rank, stream)
+        self._adopted: set[int] = set()  # read ends the caller owns (a Session's): never closed here
         self._open_line: list[Optional[int]] = [None, None]  # per stream: the fd whose line is open
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -122,6 +130,7 @@ class OutputRelay:
             os.set_blocking(r, False)
             with self._lock:
                 self._pending[r] = b""
+                self._where[r] = (rank, stream)
                 self._selector.register(r, selectors.EVENT_READ, (rank, stream))
             ends.append(w)
         self._wake()
@@ -233,22 +242,93 @@ class OutputRelay:
         for fd, since in list(self._partial_since.items()):
             if now - since < _PARTIAL_WAIT:
                 continue
-            key = self._selector.get_map().get(fd)
+            where = self._where.get(fd)
             buf = self._pending.get(fd, b"")
             shown = _whole_characters(buf)
-            if key is None or not shown:
+            if where is None or not shown:
                 continue
             self._pending[fd] = buf[len(shown):]
             del self._partial_since[fd]
-            self._write(fd, key.data, shown)
+            self._write(fd, where, shown)
 
     def _finish(self, fd: int, where: tuple[int, int]) -> None:
         rest = self._pending.pop(fd, b"")
         self._partial_since.pop(fd, None)
+        self._where.pop(fd, None)
         if rest or self._open_line[where[1]] == fd:
             self._write(fd, where, rest + b"\n")
+        if fd in self._adopted:
+            self._adopted.discard(fd)
+            return
         self._selector.unregister(fd)
         os.close(fd)
+
+    # -- driven by a Session's own loop (no thread) ----------------------------------------
+
+    def adopt(self, rank: int, out_fd: int, err_fd: int) -> None:
+        """Relay ``rank``'s stdout/stderr from these read ends (non-blocking; the caller owns
+        them and calls :meth:`pump` when they are readable)."""
+        with self._lock:
+            for stream, fd in ((0, out_fd), (1, err_fd)):
+                os.set_blocking(fd, False)
+                self._pending[fd] = b""
+                self._where[fd] = (rank, stream)
+                self._adopted.add(fd)
+
+    def retarget(self, stdout: TextIO, stderr: TextIO) -> None:
+        """Write to these streams from now on (the cell that runs now)."""
+        stdout, stderr = _underlying(stdout), _underlying(stderr)
+        with self._lock:
+            self._targets = (stdout, stderr)
+            self._trackers = (_LineTracker(stdout, self._cond), _LineTracker(stderr, self._cond))
+
+    def pump(self, fd: int) -> bool:
+        """Relay what adopted ``fd`` has now; False once it reached end of file (its rank is
+        gone: its last partial line was written out and the fd is forgotten, not closed)."""
+        with self._lock:
+            where = self._where.get(fd)
+            if where is None:
+                return False
+            if self._read(fd, where):
+                return True
+            self._finish(fd, where)
+            return False
+
+    def due(self) -> Optional[float]:
+        """Show the partial lines that waited long enough; seconds until the next is due."""
+        with self._lock:
+            self._show_partials()
+            return self._partial_wait()
+
+    def end_call(self, fds) -> None:
+        """The call is over: relay everything still in these adopted pipes, partial lines
+        included, so nothing of this call appears in the next one."""
+        with self._lock:
+            for fd in fds:
+                where = self._where.get(fd)
+                if where is None:
+                    continue
+                if not self._read(fd, where):
+                    self._finish(fd, where)
+                    continue
+                rest = _whole_characters(self._pending.get(fd, b""))
+                self._pending[fd] = self._pending[fd][len(rest):]
+                self._partial_since.pop(fd, None)
+                if rest:
+                    self._write(fd, where, rest)  # as it is: a cell's last "end=''" is kept
+            # The next call's output starts on lines of its own (a new cell's output area).
+            self._open_line = [None, None]
+            for tracker in self._trackers:
+                tracker.rank_line_open = False
+
+    def forget(self, fds) -> None:
+        """Stop relaying these adopted fds (their rank is being closed); write what is left."""
+        with self._lock:
+            for fd in fds:
+                where = self._where.get(fd)
+                if where is not None:
+                    self._read(fd, where)
+                    self._finish(fd, where)
 
     def _write(self, fd: int, where: tuple[int, int], data: bytes) -> None:
         """Write ``data`` from ``fd``, labelled line by line. It may end mid-line (a partial

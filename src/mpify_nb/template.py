@@ -191,9 +191,24 @@ class TemplateClient:
         self._dead = False
         self._next_id = 0
         self._forked: dict[int, int] = {}
+        self._held = 0  # live ranks of a Session forked from us: they must outlive a restart
         self._exited: dict[int, int] = {}
         self._reader = threading.Thread(target=self._read_replies, name="mpify_nb-template-reader", daemon=True)
         self._reader.start()
+
+    def hold(self) -> None:
+        """A persistent rank (a Session's) forked from this template lives on: when the template
+        is replaced (the environment changed), keep this one running until it is released."""
+        with self._cond:
+            self._held += 1
+
+    def release(self) -> None:
+        with self._cond:
+            self._held -= 1
+            retire = self._held <= 0 and self in _retired
+        if retire:
+            _retired.remove(self)
+            self.close()
 
     def alive(self) -> bool:
         return not self._dead and self._proc.poll() is None
@@ -303,6 +318,7 @@ class TemplateClient:
 
 _lock = threading.Lock()
 _client: Optional[TemplateClient] = None
+_retired: list[TemplateClient] = []  # replaced templates that still hold a Session's ranks
 
 
 def get_template() -> TemplateClient:
@@ -310,7 +326,10 @@ def get_template() -> TemplateClient:
     global _client
     with _lock:
         if _client is not None and (not _client.alive() or _client.env_signature != _env_signature()):
-            _client.close()
+            if _client._held > 0 and _client.alive():
+                _retired.append(_client)  # a Session's ranks still live in it: close it after them
+            else:
+                _client.close()
             _client = None
         if _client is None:
             _client = TemplateClient()

@@ -1,0 +1,928 @@
+"""Session: N persistent ranks that keep their Python state across calls.
+
+``ranch`` starts fresh ranks for every call. A ``Session`` starts ranks 0..N-1 once
+(all of them child processes: the caller is *not* a rank) with a ``torch.distributed``
+group among them, and then runs code in their namespaces, call after call, until
+``close()``. It reuses ranch's rooms: ranks are forked from the warm template
+(placement.py, template.py), talk over socketpairs made before they exist (wire.py),
+data travels with payload.py (dill functions, shared-memory tensors and arrays), output
+goes through relay.py and errors come back as errors.py's ``RankError``\\ s.
+
+Data flow of one ``run()``::
+
+    caller (Session, one thread)                          rank k (session_rank.py)
+    ----------------------------                          ------------------------
+    RUN (source, filename) ───── work channel ──────────> main thread: exec body, eval
+                                                           the last expression
+    wait loop: select over every rank's                   print(...) ── stdout pipe ──┐
+      work channel   <── DONE value / FAIL traceback ──    answer                     │
+      control channel <── COLLECTIVE "all_reduce" ────── control thread: main thread │
+      stdout/stderr pipes <─────────────────────────────── is blocked in a collective │
+      pidfd (death)  <── readable when the rank dies        <────────────────────────┘
+      wake pipe      <── interrupt() / SIGINT / timeout
+    relay: "[rank k] ..." lines into the cell running now (on the caller's thread)
+
+When the call is stuck, the caller acts (``_stop`` and ``_unstick``)::
+
+    interrupt / timeout  ── INTERRUPT req ──> control thread: SIGINT to the main thread
+    some rank blocked in a collective that idle ranks never join (CollectiveError):
+                         ── ABORT_GROUP ───> every rank destroys its group: a gloo peer
+                                             blocked in it raises within ~10 ms
+    then, once every rank is idle:
+                         ── GROUP (port) ──> all ranks join a new group in place
+                                             (Python state kept)
+    a rank dies          ── the call fails at once with RankExitedError; restart() forks
+                            a fresh one from the template and rebuilds the group
+
+Security: the only channels are socketpairs and pipes created before the ranks exist.
+The rendezvous store (torch's TCPStore, no pickle) listens on loopback in rank 0, on a
+socket the caller bound and handed over; the caller itself listens on nothing.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import os
+import pickle
+import selectors
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+from . import libraries, payload, placement, wire
+from . import session_rank as proto
+from .ddp import _parse_gpus
+from .errors import (
+    CollectiveError,
+    PayloadError,
+    RankError,
+    RankExitedError,
+    RemoteFailure,
+    SessionClosedError,
+    merge_rank_errors,
+)
+from .relay import OutputRelay
+
+Ranks = Union[int, Iterable[int], None]
+
+#: How long a rank must sit in a collective while some other rank is idle before the
+#: call gives up on it (the idle rank will never join).
+COLLECTIVE_GRACE = 0.3
+#: After an interrupt, how long ranks still running get before their group is destroyed
+#: under them (unsticks a gloo collective), and before we stop waiting for them at all.
+_ABORT_AFTER = 0.15
+_STOP_PATIENCE = 5.0
+#: Pipe capacity for a rank's stdout/stderr: output printed between calls waits there.
+_PIPE_SIZE = 1 << 20
+
+
+@dataclass
+class RankStatus:
+    """One row of :meth:`Session.status`."""
+
+    rank: int
+    pid: int
+    state: str  # "idle", "running" or "dead"
+    device: str
+    rss: Optional[int]  # resident memory, bytes (None once dead)
+    gpu_memory: Optional[int]  # bytes allocated by torch on its GPU; None without CUDA
+    last_cell: str  # first line of the last thing it ran
+    exit_detail: str = ""  # how it died
+
+
+class _Member:
+    """The caller's view of one persistent rank."""
+
+    def __init__(self, rank: int, work: socket.socket, control: socket.socket,
+                 process: placement.RankProcess, out_r: int, err_r: int):
+        self.rank = rank
+        self.work = work
+        self.control = control
+        self.process = process
+        self.pid = process.pid
+        self.out_r, self.err_r = out_r, err_r
+        self.state = "starting"  # starting, idle, running, dead
+        self.device = "?"
+        self.req = proto.NO_REQUEST  # the request it runs for us now
+        self.answer: Optional[tuple[bytes, Any, list[int]]] = None  # (kind, body, fds) for self.req
+        # (op, since, ranks of its group or None for all) while blocked in a collective
+        self.collective: Optional[tuple[str, float, Optional[list[int]]]] = None
+        self.gpu_memory: Optional[int] = None
+        self.aborts = 0  # ABORT_GROUP sent and not yet acknowledged
+        self.last_cell = ""
+        self.exit_error: Optional[RankExitedError] = None
+        self.start_failure: Optional[RemoteFailure] = None
+        self.control_theirs: Optional[socket.socket] = None  # the rank's end, until sent
+
+    @property
+    def alive(self) -> bool:
+        return self.state != "dead"
+
+
+class Session:
+    """N persistent ranks (0..N-1, all child processes) with a ``torch.distributed`` group,
+    whose namespaces live across calls.
+
+    Args:
+        n: number of ranks.
+        ddp: start a process group among them (``init_process_group`` on every rank).
+        gpus: GPU ids by rank (``"3,1"`` or ``[3, 1]``); default: rank i on GPU i when CUDA
+            is available (and the backend is not gloo), else CPU.
+        backend: ``"gloo"``, ``"nccl"``...; default nccl on GPUs, gloo on CPU.
+        timeout: default time limit in seconds for every call (None: no limit).
+
+    Each rank's namespace starts with ``rank``, ``world_size``, ``device``, ``dist``
+    (``torch.distributed``) and ``torch``. The constructor returns once every rank is up
+    and the group is ready.
+
+    Example (a notebook cell)::
+
+        from mpify_nb import Session
+        with Session(2) as s:
+            s.run("t = torch.ones(2) * (rank + 1)")
+            s.run("dist.all_reduce(t); t")        # -> {0: tensor([3., 3.]), 1: tensor([3., 3.])}
+            s.pull("t", rank=None)                 # -> [tensor([3., 3.]), tensor([3., 3.])]
+    """
+
+    def __init__(self, n: int, *, ddp: bool = True, gpus: Any = None, backend: Optional[str] = None,
+                 timeout: Optional[float] = None):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be a positive integer, not {n!r}")
+        _check_timeout(timeout)
+        self.world_size = n
+        self.ddp = bool(ddp)
+        self.timeout = timeout
+        self._gpus = _parse_gpus(gpus)
+        if self._gpus is not None and len(self._gpus) < n:
+            raise ValueError(f"gpus={self._gpus} names {len(self._gpus)} GPUs for {n} ranks: give one per rank")
+        self._backend = backend
+        self.closed = False
+        self._members: dict[int, _Member] = {}
+        self._ids = itertools.count(1)
+        self._call_lock = threading.Lock()
+        self._flag_lock = threading.Lock()
+        self._current = proto.NO_REQUEST  # the request of the call running now
+        self._interrupt_asked = False
+        self._group_broken = False
+        self._display: Optional[Callable[[int, dict], None]] = None
+        self._cells = itertools.count(1)
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
+        self._relay = OutputRelay(sys.stdout, sys.stderr)
+        self._base_env = self._world_env()
+        try:
+            self._start(list(range(n)))
+        except BaseException:
+            self.close()
+            raise
+
+    # -- the public calls --------------------------------------------------------------
+
+    def run(self, source: str, ranks: Ranks = None, timeout: Optional[float] = None, *,
+            filename: Optional[str] = None, display: Optional[Callable[[int, dict], None]] = None,
+            ) -> dict[int, Any]:
+        """Run ``source`` in each rank's namespace; return ``{rank: value of its last expression}``
+        (None when the source does not end with an expression, or ends with ``;``).
+
+        ``filename`` is what tracebacks show (IPython's cell file name gives ``Cell In[n]``).
+        ``display(rank, mimebundle)`` is called here for ``display(obj)`` on a rank (default:
+        its text printed, labelled). Output is live, ``[rank k] ...``.
+
+        Raises ``RankRaisedError`` (identical errors of several ranks merged),
+        ``CollectiveError``, ``RankExitedError``, ``TimeoutError``, ``KeyboardInterrupt``;
+        after each of them the session stays usable (dead ranks need ``restart()``).
+
+        >>> s.run("x = rank * 10\\nx + 1")
+        {0: 1, 1: 11}
+        """
+        if not isinstance(source, str):
+            raise TypeError(f"source must be a str, not {type(source).__name__}")
+        if filename is None:
+            filename = f"<session cell {next(self._cells)}>"
+        ast.parse(source, filename, "exec")  # a SyntaxError is raised here, once, not by every rank
+        body = pickle.dumps((source, filename, _wants_value(source)))
+        first = next((line.strip() for line in source.splitlines() if line.strip()), "")
+        return self._call(proto.RUN, body, [], ranks, timeout, display, first)
+
+    def apply(self, fn: Callable, *args: Any, ranks: Ranks = None, timeout: Optional[float] = None,
+              **kwargs: Any) -> dict[int, Any]:
+        """Call ``fn(*args, **kwargs)`` on each rank; return ``{rank: value}``. ``fn`` travels
+        like with ``ranch`` (dill, notebook globals included) and also sees the rank's
+        namespace (``rank``, ``model``...) for names it does not bring.
+
+        >>> s.apply(lambda: rank ** 2)
+        {0: 0, 1: 1}
+        """
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, not {type(fn).__name__}")
+        packed = payload.pack_call(fn, args, kwargs)  # PayloadError before anything is sent
+        try:
+            return self._call(proto.APPLY, packed.data, packed.fds, ranks, timeout, None,
+                              f"apply({getattr(fn, '__qualname__', repr(fn))})")
+        finally:
+            packed.close_later()
+
+    def push(self, ranks: Ranks = None, **variables: Any) -> None:
+        """Define ``variables`` in the namespace of each rank. Big tensors and numpy arrays
+        go through shared memory, written once whatever the number of ranks (each rank maps
+        it copy-on-write: its writes stay its own).
+
+        >>> s.push(lr=0.1, batch=torch.randn(1024, 1024))
+        """
+        try:
+            data, fds = payload.dumps(variables)
+        except Exception as e:
+            raise PayloadError(f"cannot send {sorted(variables)} to the ranks: {type(e).__name__}: {e}") from e
+        packed = payload.PackedCall(data, fds)
+        try:
+            self._call(proto.PUSH, data, fds, ranks, None, None, f"push {', '.join(variables)}")
+        finally:
+            packed.close_later()
+
+    def pull(self, name: str, rank: Optional[int] = 0) -> Any:
+        """The value of ``name`` on ``rank``; ``rank=None``: a list of every rank's, by rank.
+        A name a rank lacks raises ``NameError`` naming the rank.
+
+        >>> s.pull("loss")            # rank 0's
+        >>> s.pull("loss", rank=None) # [rank 0's, rank 1's, ...]
+        """
+        targets = None if rank is None else [rank]
+        try:
+            values = self._call(proto.PULL, pickle.dumps(name), [], targets, None, None, None)
+        except RankError as e:
+            cause = e.__cause__
+            if isinstance(cause, NameError):
+                who = f"rank {e.ranks[0]}" if len(e.ranks) == 1 else f"ranks {e.ranks}"
+                raise NameError(f"name {name!r} is not defined on {who}") from None
+            raise
+        return values[rank] if rank is not None else [values[r] for r in sorted(values)]
+
+    def missing_names(self, names: Iterable[str], ranks: Ranks = None) -> dict[int, set[str]]:
+        """``{rank: the names of ``names`` its namespace (and builtins) lacks}``."""
+        values = self._call(proto.MISSING, pickle.dumps(list(names)), [], ranks, None, None, None)
+        return {r: set(v or ()) for r, v in values.items()}
+
+    def status(self) -> list[RankStatus]:
+        """One row per rank: pid, state (idle, running, dead), device, RSS, GPU memory, last cell.
+        Callable from another thread while a call runs."""
+        if self._call_lock.acquire(blocking=False):
+            try:
+                self._notice_deaths()
+            finally:
+                self._call_lock.release()
+        rows = []
+        for r in sorted(self._members):
+            m = self._members[r]
+            state = "dead" if not m.alive else "running" if m.req != proto.NO_REQUEST else "idle"
+            rows.append(RankStatus(r, m.pid, state, m.device, None if state == "dead" else _rss(m.pid),
+                                   m.gpu_memory if state != "dead" else None, m.last_cell,
+                                   str(m.exit_error) if m.exit_error else ""))
+        return rows
+
+    def interrupt(self) -> None:
+        """Stop what the ranks run now (what the notebook's stop button does); callable from
+        any thread. The running call raises ``KeyboardInterrupt``; every rank lives on with
+        its state. Does nothing between calls."""
+        with self._flag_lock:
+            if self._current == proto.NO_REQUEST:
+                return
+            self._interrupt_asked = True
+        self._wake()
+
+    def restart(self, ranks: Ranks = None) -> None:
+        """Replace ``ranks`` (default: the dead ones) with fresh ranks forked from the template,
+        and rebuild the group; the other ranks keep their state.
+
+        >>> s.restart()        # after rank 1 was killed
+        >>> s.restart([0])     # a fresh rank 0, even though it was alive
+        """
+        with self._call_lock:
+            self._check_open()
+            self._notice_deaths()
+            targets = [r for r, m in self._members.items() if not m.alive] if ranks is None \
+                else self._targets(ranks)
+            if not targets:
+                return
+            for r in targets:
+                self._bury(self._members.pop(r))
+            self._start(targets)
+
+    def close(self) -> None:
+        """End every rank; when this returns their processes are gone. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        with self._call_lock:
+            for m in list(self._members.values()):
+                m.process.kill()
+            for m in list(self._members.values()):
+                self._bury(m)
+            self._members.clear()
+            self._selector.close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._relay.close(timeout=0)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        if self.closed:
+            return "<Session closed>"
+        states = {r: ("dead" if not m.alive else "running" if m.req else "idle") for r, m in self._members.items()}
+        return f"<Session {self.world_size} ranks {states}>"
+
+    # -- starting ranks ----------------------------------------------------------------
+
+    def _world_env(self) -> dict:
+        env = dict(os.environ)
+        env.update({"WORLD_SIZE": str(self.world_size), "LOCAL_WORLD_SIZE": str(self.world_size),
+                    "MASTER_ADDR": "127.0.0.1"})
+        env.update(libraries.torchrun_env(self.world_size))
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # all ranks are on this machine
+            env.setdefault(name, "lo")
+        env.pop("MPIFY_NB_STORE_RANK", None)
+        return env
+
+    def _session_config(self, rank: int, port: int) -> dict:
+        gpu: Any = "auto" if self._backend in (None, "nccl") else None
+        if self._gpus is not None:
+            gpu = self._gpus[rank]
+        return {"world_size": self.world_size, "ddp": self.ddp, "backend": self._backend, "gpu": gpu,
+                "port": port}
+
+    def _start(self, ranks: list[int]) -> None:
+        """Start ``ranks`` (fresh processes) and, with ddp, (re)build the group with every
+        live member; return once all have joined."""
+        # No rank may still be cutting connections to its peers when the new group's are made.
+        deadline = time.monotonic() + 5.0
+        while any(m.alive and m.aborts > 0 for m in self._members.values()) and time.monotonic() < deadline:
+            self._pump(0.05)
+        listener, port = _listener(self.world_size) if self.ddp else (None, 0)
+        try:
+            live_old = [m for m in self._members.values() if m.alive and m.rank not in ranks]
+            host = min([m.rank for m in live_old] + ranks)
+            placer = placement.get_placer()
+            common = {"cwd": os.getcwd(), "sys_path": list(sys.path), "argv": list(sys.argv)}
+            new = []
+            for r in ranks:
+                m = self._spawn(placer, r)
+                new.append(m)
+                env = dict(self._base_env, RANK=str(r), LOCAL_RANK=str(r), MASTER_PORT=str(port),
+                           **libraries.torchrun_rank_env(r))
+                setup = dict(common, rank=r, env=env, session=self._session_config(r, port))
+                assert m.control_theirs is not None
+                fds = [m.control_theirs.fileno()] + ([listener.fileno()] if listener and r == host else [])
+                try:
+                    wire.send(m.work, pickle.dumps(setup), fds)
+                except OSError:
+                    pass  # died at birth; the wait below says how
+                m.control_theirs.close()
+                m.control_theirs = None
+            req = next(self._ids)
+            for m in live_old:
+                if self.ddp:
+                    body = pickle.dumps(port)
+                    self._send_request(m, proto.GROUP, req, body,
+                                       [listener.fileno()] if listener and m.rank == host else [], None)
+        finally:
+            if listener is not None:
+                listener.close()  # the host rank holds it now
+        self._wait_started(new, live_old, req)
+
+    def _spawn(self, placer: placement.Placer, r: int) -> _Member:
+        ours, theirs = wire.socketpair()
+        control_ours, control_theirs = wire.socketpair()
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        for fd in (out_w, err_w):
+            try:
+                import fcntl
+
+                fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PIPE_SIZE)
+            except (OSError, AttributeError):
+                pass  # the default 64 KiB will do
+        try:
+            process = placer.start(r, theirs.fileno(), out_w, err_w, None)
+        except BaseException:
+            for s in (ours, control_ours, control_theirs):
+                s.close()
+            for fd in (out_r, err_r):
+                os.close(fd)
+            raise
+        finally:
+            theirs.close()
+            os.close(out_w)
+            os.close(err_w)
+        hold = getattr(process, "hold", None)
+        if hold is not None:
+            hold()  # a template restarted meanwhile (environment changed) must not take it along
+        m = _Member(r, ours, control_ours, process, out_r, err_r)
+        m.control_theirs = control_theirs  # sent with the setup
+        self._members[r] = m
+        self._relay.adopt(r, out_r, err_r)
+        sel = self._selector
+        sel.register(ours, selectors.EVENT_READ, ("work", m))
+        sel.register(control_ours, selectors.EVENT_READ, ("control", m))
+        sel.register(out_r, selectors.EVENT_READ, ("out", m))
+        sel.register(err_r, selectors.EVENT_READ, ("out", m))
+        if process.death_fd is not None:
+            sel.register(process.death_fd, selectors.EVENT_READ, ("death", m))
+        return m
+
+    def _wait_started(self, new: list[_Member], old: list[_Member], req: int) -> None:
+        self._relay.retarget(sys.stdout, sys.stderr)
+        try:
+            while True:
+                failed = [m for m in new + old if not m.alive or m.start_failure is not None
+                          or (m.answer is not None and m.answer[0] == proto.FAIL)]
+                if failed:
+                    break
+                if all(m.state == "idle" for m in new) and all(m.req == proto.NO_REQUEST for m in old):
+                    self._group_broken = False
+                    return
+                self._pump(None)
+        finally:
+            self._relay.end_call([fd for m in new + old for fd in (m.out_r, m.err_r)])
+        # Some rank could not start or join: nothing half-built stays behind.
+        errors: list[RankError] = []
+        for m in failed:
+            if m.exit_error is not None:
+                errors.append(m.exit_error)
+            elif m.start_failure is not None:
+                errors.append(m.start_failure.to_error(m.rank, payload.loads))
+            elif m.answer is not None:
+                errors.append(_failure_of(m))
+        for m in new:
+            m.process.kill()
+            self._bury(self._members.pop(m.rank))
+        self._group_broken = True
+        raise merge_rank_errors(errors)
+
+    def _bury(self, m: _Member) -> None:
+        """Make sure ``m``'s process is gone, then let go of everything that was its."""
+        m.process.kill()
+        if not m.process.wait_gone(5.0):
+            pass  # its template died with it, or the kernel is slow: the pidfd says nothing more
+        if m.state != "dead":
+            m.process.exit_code(timeout=1.0)  # lets the template forget it
+        try:
+            os.killpg(m.pid, signal.SIGKILL)  # what it started, in its own process group
+        except OSError:
+            pass
+        self._relay.forget([m.out_r, m.err_r])
+        for obj in (m.work, m.control, m.out_r, m.err_r, m.process.death_fd):
+            if obj is None:
+                continue
+            try:
+                self._selector.unregister(obj)
+            except (KeyError, ValueError):
+                pass
+        if m.answer is not None:
+            payload.close_fds(m.answer[2])
+        m.work.close()
+        m.control.close()
+        os.close(m.out_r)
+        os.close(m.err_r)
+        m.process.close()
+        release = getattr(m.process, "release", None)
+        if release is not None:
+            release()
+        m.state = "dead"
+
+    # -- one call ----------------------------------------------------------------------
+
+    def _targets(self, ranks: Ranks) -> list[int]:
+        if ranks is None:
+            return list(range(self.world_size))
+        if isinstance(ranks, int) and not isinstance(ranks, bool):
+            ranks = [ranks]
+        out = sorted(set(int(r) for r in ranks))  # type: ignore[union-attr]
+        bad = [r for r in out if not 0 <= r < self.world_size]
+        if bad or not out:
+            raise ValueError(f"ranks must be in 0..{self.world_size - 1}, not {bad or 'none'}")
+        return out
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise SessionClosedError("this Session is closed; start a new one")
+
+    def _send_request(self, m: _Member, kind: bytes, req: int, body: bytes, fds: list[int],
+                      label: Optional[str]) -> None:
+        m.req, m.answer, m.collective = req, None, None
+        if label is not None:
+            m.last_cell = label
+            m.state = "running"
+        try:
+            wire.send(m.work, proto.pack(kind, req, body), fds)
+        except OSError:
+            pass  # it died; the wait sees its pidfd
+
+    def _call(self, kind: bytes, body: bytes, fds: list[int], ranks: Ranks, timeout: Optional[float],
+              display: Optional[Callable[[int, dict], None]], label: Optional[str]) -> dict[int, Any]:
+        if timeout is None:
+            timeout = self.timeout
+        _check_timeout(timeout)
+        targets = self._targets(ranks)
+        with self._call_lock:
+            self._check_open()
+            self._notice_deaths()
+            dead = [self._members[r] for r in targets if not self._members[r].alive]
+            if dead:
+                raise merge_rank_errors([m.exit_error or RankExitedError(m.rank, None) for m in dead])
+            req = next(self._ids)
+            members = [self._members[r] for r in targets]
+            self._display = display
+            with self._flag_lock:
+                self._current, self._interrupt_asked = req, False
+            restore = _take_sigint(self._on_sigint)
+            self._relay.retarget(sys.stdout, sys.stderr)
+            try:
+                for m in members:
+                    self._send_request(m, kind, req, body, fds, label)
+                return self._wait(members, req, timeout)
+            finally:
+                with self._flag_lock:
+                    self._current = proto.NO_REQUEST
+                restore()
+                self._relay.end_call([fd for m in self._members.values() for fd in (m.out_r, m.err_r)])
+                self._display = None
+
+    def _wait(self, members: list[_Member], req: int, timeout: Optional[float]) -> dict[int, Any]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        stuck_since: Optional[float] = None
+        try:
+            while True:
+                dead = [m for m in members if not m.alive]
+                if dead:
+                    self._stop(members, req)
+                    raise merge_rank_errors([m.exit_error or RankExitedError(m.rank, None) for m in dead])
+                if all(m.req != req for m in members):
+                    break
+                if self._interrupt_asked:
+                    raise KeyboardInterrupt
+                now = time.monotonic()
+                wait = None if deadline is None else deadline - now
+                if wait is not None and wait <= 0:
+                    running = [m.rank for m in members if m.req == req]
+                    self._stop(members, req)
+                    raise TimeoutError(f"the call did not finish within {timeout:g} s (ranks still running: "
+                                       f"{running}); they were interrupted, their state is kept")
+                if self.ddp:
+                    stuck, missing = self._stuck(req)
+                    if stuck and missing:
+                        stuck_since = stuck_since or now
+                        if now - stuck_since >= COLLECTIVE_GRACE:
+                            self._collective_failed(members, req, stuck, missing)
+                        left = stuck_since + COLLECTIVE_GRACE - now
+                        wait = left if wait is None else min(wait, left)
+                    else:
+                        stuck_since = None
+                self._pump(wait)
+        except KeyboardInterrupt:
+            self._stop(members, req)
+            raise
+        return self._results(members)
+
+    def _results(self, members: list[_Member]) -> dict[int, Any]:
+        values: dict[int, Any] = {}
+        errors: list[RankError] = []
+        for m in members:
+            assert m.answer is not None
+            kind, body, fds = m.answer
+            m.answer = None
+            if kind == proto.DONE:
+                if len(body):
+                    value, meta = payload.unpack_result(body, fds)
+                    m.gpu_memory = meta.get("gpu_memory")
+                    values[m.rank] = value
+                else:
+                    values[m.rank] = None
+            else:
+                errors.append(_failure_of(m, body, fds))
+        if errors:
+            raise merge_rank_errors(errors)
+        return values
+
+    # -- when a call is stuck ----------------------------------------------------------
+
+    def _stuck(self, req: int) -> tuple[list[_Member], list[_Member]]:
+        """Ranks blocked in a collective for this call, and the ranks that cannot join it
+        (idle, finished, dead)."""
+        stuck = [m for m in self._members.values() if m.alive and m.req == req and m.collective]
+        needed: set[int] = set()
+        for m in stuck:
+            assert m.collective is not None
+            group = m.collective[2]
+            needed.update(self._members if group is None else group)
+        missing = [m for r, m in self._members.items() if r in needed and (not m.alive or m.req != req)]
+        return (stuck, missing) if missing else ([], [])
+
+    def _collective_failed(self, members: list[_Member], req: int, stuck: list[_Member],
+                           missing: list[_Member]) -> None:
+        dead = [m for m in missing if not m.alive]
+        op = stuck[0].collective[0] if stuck[0].collective else "a collective"
+        errors = [_failure_of(m) for m in missing if m.answer is not None and m.answer[0] == proto.FAIL
+                  and m.req == proto.NO_REQUEST and m in members]
+        for m in missing:
+            if m.answer is not None and m in members:
+                payload.close_fds(m.answer[2])
+                m.answer = None
+        self._abort_group()
+        self._settle(members, req)
+        if dead:
+            raise merge_rank_errors([m.exit_error or RankExitedError(m.rank, None) for m in dead])
+        rebuilt = self._rebuild()
+        raise CollectiveError([m.rank for m in stuck], [m.rank for m in missing], f"dist.{op}", errors, rebuilt)
+
+    def _stop(self, members: list[_Member], req: int) -> None:
+        """Interrupt every rank still running ``req``; unstick collectives; rebuild the group
+        when it was torn down. Bounded in time; a second Ctrl-C does not cut it short."""
+        for m in members:
+            if m.alive and m.req == req:
+                self._send_control(m, proto.INTERRUPT, req)
+        aborted = False
+        start = time.monotonic()
+        last_signal = start
+        while True:
+            try:
+                running = [m for m in members if m.alive and m.req == req]
+                if not running:
+                    break
+                now = time.monotonic()
+                if now - start > _STOP_PATIENCE:
+                    break  # they ignore interrupts: leave them running, their answer is dropped
+                if self.ddp and not aborted and now - start > _ABORT_AFTER \
+                        and any(m.collective for m in running):
+                    self._abort_group()
+                    aborted = True
+                if now - last_signal > 1.0:  # the user's code may have swallowed one
+                    for m in running:
+                        self._send_control(m, proto.INTERRUPT, req)
+                    last_signal = now
+                self._pump(0.05)
+            except KeyboardInterrupt:
+                continue
+        for m in members:
+            if m.answer is not None:
+                payload.close_fds(m.answer[2])
+                m.answer = None
+        if self._group_broken:
+            self._rebuild()
+
+    def _settle(self, members: list[_Member], req: int) -> None:
+        """After an abort: wait (bounded) for the stuck ranks to come back, interrupting them
+        if their code carries on."""
+        start = time.monotonic()
+        while any(m.alive and m.req == req for m in members) and time.monotonic() - start < 2.0:
+            self._pump(0.05)
+        if any(m.alive and m.req == req for m in members):
+            self._stop(members, req)
+        for m in members:
+            if m.answer is not None and m.req == proto.NO_REQUEST:
+                payload.close_fds(m.answer[2])
+                m.answer = None
+
+    def _abort_group(self) -> None:
+        """Every live rank cuts its connections to the others and destroys its groups: a rank
+    blocked in a gloo collective raises at once (see session_rank._cut_connections)."""
+        self._group_broken = True
+        live = [m for m in self._members.values() if m.alive]
+        for m in live:
+            peers = pickle.dumps([p.pid for p in live if p is not m])
+            m.aborts += 1
+            self._send_control(m, proto.ABORT_GROUP, proto.NO_REQUEST, peers)
+
+    def _rebuild(self) -> bool:
+        """A new group on a new port, in place, on every rank (all must be alive and idle)."""
+        if not self.ddp:
+            return False
+        members = list(self._members.values())
+        if len(members) < self.world_size or not all(m.alive and m.req == proto.NO_REQUEST for m in members):
+            return False
+        try:
+            self._start([])
+            return True
+        except RankError:
+            return False
+
+    # -- events ------------------------------------------------------------------------
+
+    def _pump(self, wait: Optional[float]) -> None:
+        """Handle what the ranks sent (answers, output, deaths) within ``wait`` seconds."""
+        due = self._relay.due()
+        if due is not None:
+            wait = due if wait is None else min(wait, due)
+        for key, _ in self._selector.select(wait):
+            what, m = key.data
+            if what == "out":
+                if not self._relay.pump(key.fd):
+                    self._selector.unregister(key.fd)
+            elif what == "work":
+                self._on_work(m)
+            elif what == "control":
+                self._on_control(m)
+            elif what == "death":
+                self._on_death(m)
+            else:
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+
+    def _on_work(self, m: _Member) -> None:
+        try:
+            message = wire.recv(m.work)
+        except (OSError, EOFError):
+            message = None
+        if message is None:
+            self._on_death(m)
+            return
+        data, fds = message
+        kind, req, body = proto.unpack(data)
+        if kind == proto.READY:
+            info = pickle.loads(body)
+            m.device, m.state = info["device"], "idle"
+        elif kind == proto.DISPLAY:
+            self._show(m.rank, pickle.loads(body))
+        elif req == proto.NO_REQUEST and kind == proto.FAIL:
+            m.start_failure = pickle.loads(body)[0]
+        elif req == m.req and req != proto.NO_REQUEST:
+            m.answer = (kind, bytes(body) if len(body) < (1 << 20) else body, fds)
+            m.req = proto.NO_REQUEST
+            m.collective = None
+            if m.state == "running":
+                m.state = "idle"
+        else:
+            payload.close_fds(fds)  # the answer to a call that gave up on it
+
+    def _on_control(self, m: _Member) -> None:
+        try:
+            message = wire.recv(m.control)
+        except (OSError, EOFError):
+            message = None
+        if message is None:
+            self._unregister(m.control)
+            return
+        kind, req, body = proto.unpack(message[0])
+        if kind == proto.ABORTED:
+            m.aborts -= 1
+        elif kind == proto.COLLECTIVE and req == m.req:
+            op, since, group = pickle.loads(body)
+            m.collective = (op, since, group) if op else None
+
+    def _on_death(self, m: _Member) -> None:
+        if not m.alive:
+            return
+        # It may have answered just before it died.
+        while m.req != proto.NO_REQUEST:
+            try:
+                m.work.settimeout(0)
+                message = wire.recv(m.work)
+            except (OSError, EOFError):
+                break
+            finally:
+                m.work.settimeout(None)
+            if message is None:
+                break
+            data, fds = message
+            kind, req, body = proto.unpack(data)
+            if req == m.req:
+                m.answer, m.req = (kind, bytes(body), fds), proto.NO_REQUEST
+            else:
+                payload.close_fds(fds)
+        for obj in (m.work, m.control, m.process.death_fd):
+            if obj is None:
+                continue
+            try:
+                self._selector.unregister(obj)
+            except (KeyError, ValueError):
+                pass
+        m.process.wait_gone(2.0)
+        code = m.process.exit_code(timeout=2.0)
+        m.exit_error = RankExitedError(m.rank, code, m.process.death_detail())
+        m.state = "dead"
+        m.collective = None
+        if m.answer is None:
+            m.req = proto.NO_REQUEST
+        self._group_broken = self.ddp
+
+    def _notice_deaths(self) -> None:
+        """Between calls nobody watches: look now at the pidfds of ranks thought alive."""
+        import select
+
+        fds = [m.process.death_fd for m in self._members.values() if m.alive and m.process.death_fd is not None]
+        if not fds:
+            return
+        ended = set(select.select(fds, [], [], 0)[0])
+        for m in list(self._members.values()):
+            if m.alive and m.process.death_fd in ended:
+                self._on_death(m)
+
+    def _show(self, rank: int, bundle: dict) -> None:
+        if self._display is not None:
+            self._display(rank, bundle)
+            return
+        text = bundle.get("text/plain", "")
+        for line in str(text).splitlines() or [""]:
+            print(f"[rank {rank}] {line}")
+
+    def _unregister(self, obj: Any) -> None:
+        try:
+            self._selector.unregister(obj)
+        except (KeyError, ValueError):
+            pass
+
+    def _send_control(self, m: _Member, kind: bytes, req: int, body: bytes = b"") -> None:
+        try:
+            wire.send(m.control, proto.pack(kind, req, body))
+        except OSError:
+            pass
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"w")
+        except (BlockingIOError, OSError):
+            pass
+
+    def _on_sigint(self) -> None:
+        with self._flag_lock:
+            self._interrupt_asked = True
+        self._wake()
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+def _check_timeout(timeout: Optional[float]) -> None:
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or timeout <= 0):
+        raise ValueError(f"timeout must be a positive number of seconds or None, not {timeout!r}")
+
+
+def _wants_value(source: str) -> bool:
+    """IPython shows the last expression's value unless the cell ends with ';'."""
+    lines = [line for line in source.rstrip().splitlines() if line.strip()]
+    return not lines or not lines[-1].split("#", 1)[0].rstrip().endswith(";")
+
+
+def _failure_of(m: _Member, body: Any = None, fds: Optional[list[int]] = None) -> RankError:
+    if body is None:
+        assert m.answer is not None
+        _kind, body, fds = m.answer
+        m.answer = None
+    payload.close_fds(fds or [])
+    failure, _interrupted, meta = pickle.loads(body)
+    if meta:
+        m.gpu_memory = meta.get("gpu_memory")
+    return failure.to_error(m.rank, payload.loads)
+
+
+def _listener(world_size: int) -> tuple[socket.socket, int]:
+    """A loopback socket listening on a fresh port, for the store's rank: it is bound before
+    any rank connects, so none has to retry, and no other process can take the port."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(world_size * 2)
+    except BaseException:
+        listener.close()
+        raise
+    return listener, listener.getsockname()[1]
+
+
+def _rss(pid: int) -> Optional[int]:
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _take_sigint(on_sigint: Callable[[], None]) -> Callable[[], None]:
+    """While a call waits: SIGINT (the stop button) sets a flag instead of raising anywhere,
+    so it never cuts a message in half; the wait loop raises KeyboardInterrupt itself."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    try:
+        old = signal.signal(signal.SIGINT, lambda signum, frame: on_sigint())
+    except ValueError:
+        return lambda: None
+
+    def restore() -> None:
+        signal.signal(signal.SIGINT, old)
+
+    return restore
+
+
+__all__ = ["Session", "RankStatus"]

@@ -1,0 +1,476 @@
+"""A persistent rank: the serve loop of a rank that lives across calls (see session.py).
+
+A rank of a :class:`~mpify_nb.Session` is born like a ``ranch`` rank (forked from the
+template, channel and stdout/stderr pipes made by the caller before it exists, see
+rank.py), but its setup message says ``session`` and carries the end of a second
+socketpair. It then never exits on its own::
+
+    caller (Session)                                  rank k
+    ----------------                                  ------
+    work channel ── RUN/APPLY/PUSH/PULL/MISSING/GROUP ─> main thread: one request at a time,
+                 <── DONE / FAIL / DISPLAY ────────────   in its persistent __main__ namespace
+    control      ── INTERRUPT req / ABORT_GROUP ──────> control thread: SIGINT to the main
+    channel      <── COLLECTIVE (req, op, since) ──────  thread (only while it runs req);
+                 <── ABORTED ──────────────────────────  cut the connections to the peers and
+                                                          destroy the group (unsticks them);
+                                                          watches the main thread's stack:
+                                                          "blocked in dist.all_reduce since t"
+                  (control channel closes) ───────────> the caller is gone: kill self
+
+The main thread starts the process group (a TCPStore whose listening socket the caller
+made and passed to the store's rank) and reports READY only once the group is up, so the
+caller's first request can never be lost. SIGINT raises KeyboardInterrupt only inside the
+user's code: an interrupt that lands between requests is ignored, and the rank, with its
+state, lives on.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import datetime
+import linecache
+import os
+import pickle
+import select
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from typing import Any, NoReturn, Optional
+
+from . import payload, rank_display, wire
+from .errors import RemoteFailure, safe_str
+
+# -- the protocol (both directions: a kind byte, a request id, a body) ----------------------
+
+RUN, APPLY, PUSH, PULL, MISSING, GROUP = b"r", b"a", b"p", b"l", b"m", b"g"  # work channel, to the rank
+INTERRUPT, ABORT_GROUP = b"i", b"x"  # control channel, to the rank
+READY, DONE, FAIL, DISPLAY = b"R", b"D", b"F", b"P"  # work channel, from the rank
+COLLECTIVE, ABORTED = b"C", b"A"  # control channel, from the rank
+
+_ID = struct.Struct("!Q")
+NO_REQUEST = 0
+
+
+def pack(kind: bytes, req_id: int, body: bytes = b"") -> bytes:
+    return kind + _ID.pack(req_id) + body
+
+
+def unpack(data) -> tuple[bytes, int, Any]:
+    """(kind, request id, body as a memoryview: no copy of a big payload)."""
+    view = memoryview(data)
+    return bytes(view[:1]), _ID.unpack(view[1:9])[0], view[9:]
+
+
+#: Seconds a rank waits in the rendezvous for its peers (a peer that died meanwhile).
+_RENDEZVOUS_TIMEOUT = 60.0
+#: How often the control thread looks at what the main thread is doing while it runs a request.
+_WATCH_PERIOD = 0.05
+
+
+class _State:
+    """What the main thread is doing, shared with the control thread."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.request = NO_REQUEST  # the request the main thread runs now
+        self.in_user_code = False  # SIGINT raises KeyboardInterrupt only then
+        self.main_ident = threading.get_ident()
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+
+def serve(channel: socket.socket, config: dict, fds: list[int]) -> NoReturn:
+    """Serve requests on ``channel`` until the caller goes away; never returns."""
+    from . import rank as rank_module
+
+    control = socket.socket(fileno=fds[0])
+    listen_fd = fds[1] if len(fds) > 1 else None
+    session = config["session"]
+    state = _State()
+    namespace = sys.modules["__main__"].__dict__
+    signal.signal(signal.SIGINT, lambda signum, frame: _on_sigint(state))
+    threading.Thread(target=_control_loop, args=(control, state), name="mpify_nb-control", daemon=True).start()
+    ready: dict = {}
+    rank_display.install(lambda bundle: _send(channel, pack(DISPLAY, state.request, pickle.dumps(bundle))))
+    namespace["display"] = rank_display.display
+    try:
+        ready = _start(namespace, config["rank"], session, listen_fd)
+        reply = pack(READY, NO_REQUEST, pickle.dumps(ready))
+    except BaseException as e:
+        reply = pack(FAIL, NO_REQUEST, pickle.dumps((_capture(e), False, {})))
+    _send(channel, reply)
+    if not ready:
+        rank_module._exit(1)
+    while True:
+        message = wire.recv(channel)
+        if message is None:
+            rank_module._exit(0)  # the caller closed the session
+        data, message_fds = message
+        kind, req_id, body = unpack(data)
+        with state.lock:
+            state.request = req_id
+        os.write(state.wake_w, b"w")  # the control thread starts watching the stack
+        reply, reply_fds = _handle(kind, req_id, body, message_fds, namespace, state, channel)
+        with state.lock:
+            state.request = NO_REQUEST
+        rank_module._flush_stdio()  # what the request printed reaches the caller before its answer
+        _send(channel, reply, reply_fds)
+        payload.close_fds(reply_fds)
+
+
+def _send(channel: socket.socket, data: bytes, fds=()) -> None:
+    try:
+        wire.send(channel, data, fds)
+    except OSError:
+        pass  # the caller is gone; the control thread ends us
+
+
+def _on_sigint(state: _State) -> None:
+    if state.in_user_code:
+        raise KeyboardInterrupt
+
+
+# -- starting: namespace and process group ---------------------------------------------
+
+#: This rank's group settings, fixed at start (a rebuild only changes the port).
+_group: dict = {}
+
+
+def _start(namespace: dict, rank: int, session: dict, listen_fd: Optional[int]) -> dict:
+    import torch
+
+    device = torch.device("cpu")
+    gpu = session.get("gpu")
+    if gpu == "auto":  # one GPU per rank when there are enough, as torchrun users expect
+        gpu = rank if torch.cuda.is_available() and rank < torch.cuda.device_count() else None
+    if gpu is not None:
+        torch.cuda.set_device(gpu)
+        device = torch.device("cuda", gpu)
+    import torch.distributed as dist
+
+    namespace.update(rank=rank, world_size=session["world_size"], device=device, dist=dist, torch=torch)
+    backend = session.get("backend") or ("nccl" if gpu is not None else "gloo")
+    _group.update(rank=rank, world_size=session["world_size"], backend=backend)
+    if session["ddp"]:
+        _init_group(session["port"], listen_fd)
+    return {"pid": os.getpid(), "device": str(device), "backend": backend}
+
+
+def _init_group(port: int, listen_fd: Optional[int]) -> None:
+    """Join a new default process group on ``port``. The rank that hosts the store got the
+    listening socket from the caller: no rank can connect before it listens."""
+    import torch.distributed as dist
+    from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
+
+    rank, world = _group["rank"], _group["world_size"]
+    addr = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    rendezvous = datetime.timedelta(seconds=_RENDEZVOUS_TIMEOUT)
+    if listen_fd is not None:
+        store = TCPStore(addr, port, world, is_master=True, wait_for_workers=False, timeout=rendezvous,
+                         master_listen_fd=listen_fd)
+    else:
+        store = TCPStore(addr, port, world, is_master=False, timeout=rendezvous)
+    dist.init_process_group(backend=_group["backend"], rank=rank, world_size=world, store=store)
+
+
+def _cut_connections(peer_pids: list[int]) -> None:
+    """Shut down this rank's TCP connections to its peer ranks (gloo's pairs, the store's).
+
+    Destroying a group is not enough to unstick a collective: its connections close only
+    when the last reference to it goes, and the user's namespace may hold one (a subgroup
+    ``g``, a DistributedDataParallel wrapper). A shut-down connection makes gloo raise at
+    once, in this rank ("Read error") and in the peer ("Connection closed by peer"), even
+    when both are blocked. Only connections whose other end belongs to a peer rank are cut:
+    the user's own sockets are left alone."""
+    mine = _socket_inodes("self")
+    theirs: set[str] = set()
+    for pid in peer_pids:
+        theirs |= set(_socket_inodes(str(pid)))
+    table = _tcp_table()
+    peer_ends = {table[inode][0] for inode in theirs if inode in table}
+    # The store's connections stay: cut, torch prints a C++ stack for each; the group's
+    # destruction ends them anyway.
+    store = f":{int(os.environ.get('MASTER_PORT', '0') or 0):04X}"
+    for inode, fd in mine.items():
+        ends = table.get(inode)
+        if ends is None or ends[1] not in peer_ends or ends[0].endswith(store) or ends[1].endswith(store):
+            continue
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            sock.shutdown(socket.SHUT_RDWR)  # the fd stays gloo's; only the connection ends
+        except OSError:
+            pass
+        finally:
+            sock.close()
+
+
+def _socket_inodes(pid: str) -> dict[str, int]:
+    """{socket inode: fd} of a process."""
+    found: dict[str, int] = {}
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return found
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            found[target[8:-1]] = int(fd)
+    return found
+
+
+def _tcp_table() -> dict[str, tuple[str, str]]:
+    """{inode: (local endpoint, remote endpoint)} of every TCP socket of this network namespace."""
+    table: dict[str, tuple[str, str]] = {}
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(name) as f:
+                next(f)
+                for line in f:
+                    fields = line.split()
+                    if len(fields) > 9:
+                        table[fields[9]] = (fields[1], fields[2])
+        except OSError:
+            continue
+    return table
+
+
+def _destroy_group() -> None:
+    """Tear down every process group of this rank (the user's subgroups too)."""
+    try:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return
+        dist.destroy_process_group()
+    except Exception:
+        pass  # a group torn down by its peers may fail to say goodbye; it is gone either way
+
+
+# -- requests ----------------------------------------------------------------------------
+
+def _handle(kind: bytes, req_id: int, body, fds: list[int], namespace: dict, state: _State,
+            channel: socket.socket) -> tuple[bytes, list[int]]:
+    try:
+        if kind == RUN:
+            source, filename, want_value = pickle.loads(body)
+            value = _run_source(source, filename, want_value, namespace, state)
+        elif kind == APPLY:
+            fn, args, kwargs, _ctx, _needed, _imports = payload.unpack_call(body, fds)
+            fds = []
+            _see_namespace(fn, namespace)
+            value = _in_user_code(state, fn, *args, **kwargs)
+        elif kind == PUSH:
+            values = payload.loads(body, fds, private=True)
+            fds = []
+            namespace.update(values)
+            value = None
+        elif kind == PULL:
+            name = pickle.loads(body)
+            if name not in namespace:
+                raise NameError(f"name {name!r} is not defined on rank {namespace.get('rank')}")
+            value = namespace[name]
+        elif kind == MISSING:
+            names = pickle.loads(body)
+            value = sorted(n for n in names if n not in namespace and not hasattr(builtins, n))
+        elif kind == GROUP:
+            port = pickle.loads(body)
+            _destroy_group()
+            _init_group(port, fds[0] if fds else None)
+            fds = []
+            value = None
+        else:
+            raise RuntimeError(f"unknown request {kind!r}")
+    except BaseException as e:
+        payload.close_fds(fds)
+        interrupted = isinstance(e, KeyboardInterrupt)
+        return pack(FAIL, req_id, pickle.dumps((_capture(e), interrupted, _meta()))), []
+    payload.close_fds(fds)
+    meta = _meta()
+    if value is None and meta["gpu_memory"] is None:
+        return pack(DONE, req_id), []  # the common case, without pickling anything
+    try:
+        data, out_fds = payload.pack_result((value, meta))
+    except BaseException:
+        # Not picklable (a generator, an open file...): its repr still tells the user what it is.
+        data, out_fds = payload.pack_result((RemoteRepr(_safe_repr(value)), meta))
+    return pack(DONE, req_id, data), out_fds
+
+
+def _see_namespace(fn, namespace: dict) -> None:
+    """A function shipped by value brings a globals dict of its own (the names it used where
+    it was defined). Let it, and the shipped functions it reaches, also see this rank's
+    namespace (``rank``, ``model``...) for the names it did not bring. Functions of real
+    modules (imported here by name) are left alone: their module is not ours to change."""
+    import types
+
+    seen: set[int] = set()
+    stack = [fn]
+    while stack:
+        f = stack.pop()
+        f = getattr(f, "__func__", getattr(f, "func", f))  # bound methods, functools.partial
+        glob = getattr(f, "__globals__", None)
+        if glob is None or glob is namespace or id(glob) in seen:
+            continue
+        module = sys.modules.get(getattr(f, "__module__", None) or "")
+        if module is not None and getattr(module, "__dict__", None) is glob:
+            continue
+        seen.add(id(glob))
+        for name, value in namespace.items():
+            glob.setdefault(name, value)
+        stack.extend(v for v in list(glob.values()) if isinstance(v, types.FunctionType))
+
+
+def _in_user_code(state: _State, fn, *args, **kwargs):
+    state.in_user_code = True
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        state.in_user_code = False
+
+
+def _run_source(source: str, filename: str, want_value: bool, namespace: dict, state: _State) -> Any:
+    """Run a cell as IPython does: every statement, then the last one's value if it is an
+    expression. Its source goes to linecache, so tracebacks show the cell's own lines."""
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    tree = ast.parse(source, filename, "exec")
+    last = None
+    if want_value and tree.body and isinstance(tree.body[-1], ast.Expr):
+        expr = tree.body.pop()
+        assert isinstance(expr, ast.Expr)
+        last = ast.Expression(expr.value)
+    body = compile(tree, filename, "exec")
+    tail = compile(last, filename, "eval") if last is not None else None
+    state.in_user_code = True
+    try:
+        exec(body, namespace)
+        value = eval(tail, namespace) if tail is not None else None
+        rank_display.flush_figures()  # as the inline backend: what the cell drew, shown at its end
+        return value
+    finally:
+        state.in_user_code = False
+
+
+class RemoteRepr:
+    """Stands for a value that could not be sent back from a rank: shows the rank's repr."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _safe_repr(value: Any) -> str:
+    try:
+        return repr(value)
+    except Exception as e:
+        return f"<{type(value).__name__} (repr failed: {safe_str(e)})>"
+
+
+def _capture(exc: BaseException) -> RemoteFailure:
+    return RemoteFailure.capture(exc, lambda e: payload.dumps(e)[0])
+
+
+def _meta() -> dict:
+    """What the caller's status() shows and only the rank knows."""
+    torch = sys.modules.get("torch")
+    gpu = None
+    try:
+        if torch is not None and torch.cuda.is_initialized():
+            gpu = int(torch.cuda.memory_allocated())
+    except Exception:
+        pass
+    return {"gpu_memory": gpu}
+
+
+# -- the control thread ------------------------------------------------------------------
+
+def _control_loop(control: socket.socket, state: _State) -> None:
+    """Interrupts and group aborts from the caller, and the collective watch; if the caller
+    goes away (its end closes), end this rank and everything it started."""
+    watched = NO_REQUEST
+    collective: Optional[tuple[str, Optional[list[int]]]] = None
+    while True:
+        busy = state.request != NO_REQUEST
+        ready = select.select([control, state.wake_r], [], [], _WATCH_PERIOD if busy else None)[0]
+        if state.wake_r in ready:
+            try:
+                os.read(state.wake_r, 4096)
+            except BlockingIOError:
+                pass
+        if control in ready:
+            try:
+                message = wire.recv(control)
+            except (OSError, EOFError):
+                message = None
+            if message is None:
+                _caller_gone()
+            kind, req_id, _body = unpack(message[0])
+            if kind == INTERRUPT:
+                with state.lock:
+                    if state.request == req_id:
+                        signal.pthread_kill(state.main_ident, signal.SIGINT)
+            elif kind == ABORT_GROUP:
+                _cut_connections(pickle.loads(_body))
+                _destroy_group()
+                _send(control, pack(ABORTED, req_id))  # the caller rebuilds only after every ack
+        request = state.request
+        if request != watched:
+            watched, collective = request, None
+        if request == NO_REQUEST:
+            continue
+        now_in = _collective_of(state.main_ident)
+        if now_in != collective:
+            collective = now_in
+            op, members = now_in or (None, None)
+            _send(control, pack(COLLECTIVE, request, pickle.dumps((op, time.monotonic(), members))))
+
+
+def _collective_of(thread_id: int) -> Optional[tuple[str, Optional[list[int]]]]:
+    """The torch.distributed operation ``thread_id`` is blocked in, and the ranks of its group
+    (None: the whole world), or None. The innermost Python frame tells: a collective waits
+    in C++ under its c10d function's frame."""
+    frame = sys._current_frames().get(thread_id)
+    if frame is None:
+        return None
+    filename = frame.f_code.co_filename
+    if filename.endswith(os.path.join("distributed", "distributed_c10d.py")):
+        return frame.f_code.co_name, _group_ranks(frame)
+    if filename.endswith(os.path.join("nn", "parallel", "distributed.py")):
+        return f"DistributedDataParallel.{frame.f_code.co_name}", None
+    return None
+
+
+def _group_ranks(frame) -> Optional[list[int]]:
+    """The global ranks of the ``group`` a c10d function was called with (None: the world),
+    so a collective on a subgroup is not blamed on ranks outside it."""
+    try:
+        group = frame.f_locals.get("group")
+        if group is None:
+            return None
+        import torch.distributed as dist
+
+        if group is dist.GroupMember.WORLD:
+            return None
+        return sorted(dist.get_process_group_ranks(group))
+    except Exception:
+        return None
+
+
+def _caller_gone() -> NoReturn:
+    from . import rank as rank_module
+
+    rank_module._flush_stdio()
+    rank_module.kill_descendants()
+    os.kill(os.getpid(), signal.SIGKILL)
+    raise SystemExit  # not reached

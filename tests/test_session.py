@@ -1,0 +1,284 @@
+"""Session: persistent ranks, with real processes and a real gloo group.
+
+Every test starts its own ``Session(2)`` (forked from the warm template: ~0.1 s), and
+checks that its rank processes are gone when it is closed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from helpers_ranks import start_time
+from mpify_nb import RankStatus, Session
+from mpify_nb.errors import (
+    CollectiveError,
+    RankExitedError,
+    RankRaisedError,
+    SessionClosedError,
+    merge_rank_errors,
+)
+
+ALL_REDUCE = "t = torch.ones(2) * (rank + 1)\ndist.all_reduce(t)\nt.tolist()"
+
+
+def identities(s: Session) -> dict[int, tuple[int, int]]:
+    return {row.rank: (row.pid, start_time(row.pid)) for row in s.status()}
+
+
+def gone(idents) -> bool:
+    return all(start_time(pid) != start for pid, start in idents.values())
+
+
+@pytest.fixture
+def session():
+    s = Session(2)
+    idents = identities(s)
+    yield s
+    s.close()
+    assert gone(idents), "close() left a rank running"
+
+
+def test_start_gives_a_ready_group_and_namespace_then_close_ends_every_rank():
+    with Session(2) as s:
+        idents = identities(s)
+        # The very first request is not lost, and the group is already up.
+        values = s.run(ALL_REDUCE)
+        assert s.world_size == 2 and not s.closed
+    assert values == {0: [3.0, 3.0], 1: [3.0, 3.0]}
+    assert s.closed
+    assert gone(idents)
+
+
+def test_namespace_and_pids(session):
+    assert session.run("rank, world_size, str(device), dist.is_initialized(), torch.__name__") == {
+        0: (0, 2, "cpu", True, "torch"), 1: (1, 2, "cpu", True, "torch")}
+    pids = {row.pid for row in session.status()}
+    assert os.getpid() not in pids and len(pids) == 2
+
+
+def test_run_returns_last_expression_keeps_state_and_relays_output_as_written(session, capsys):
+    assert session.run("x = rank * 10\nx + 1") == {0: 1, 1: 11}
+    assert session.run("x;") == {0: None, 1: None}  # ';' hides the value, as in IPython
+    assert session.run("y = x") == {0: None, 1: None}
+    session.run("import sys\nprint('  two spaces  ')\nprint()\nprint('a', 1)\n"
+                "print('partial', end='')\nprint('oops', file=sys.stderr)", ranks=[1])
+    out, err = capsys.readouterr()
+    assert out == "[rank 1]   two spaces  \n[rank 1] \n[rank 1] a 1\n[rank 1] partial"
+    assert err == "[rank 1] oops\n"
+    assert session.pull("y", rank=None) == [0, 10]
+
+
+def test_errors_name_the_rank_show_the_source_and_identical_ones_are_merged(session):
+    session.run("kept = rank")
+    with pytest.raises(RankRaisedError) as info:
+        session.run("a = 1\nraise ValueError('bad ' + str(kept * 0))", filename="/tmp/cell-7.py")
+    err = info.value
+    assert err.ranks == [0, 1] and "ranks [0, 1] raised ValueError: bad 0" in str(err)
+    assert 'File "/tmp/cell-7.py", line 2' in str(err)
+    assert "raise ValueError('bad ' + str(kept * 0))" in str(err)
+    with pytest.raises(RankRaisedError) as info:
+        session.run("if rank == 1:\n    t_undefined\n")
+    assert info.value.ranks == [1] and info.value.rank == 1
+    assert "NameError" in str(info.value) and "    t_undefined" in str(info.value)
+    assert session.run("kept") == {0: 0, 1: 1}
+    with pytest.raises(SyntaxError):
+        session.run("def (")
+
+
+def test_a_collective_some_rank_never_joins_fails_fast_and_the_group_is_rebuilt(session):
+    session.run("kept = rank + 100")
+    start = time.monotonic()
+    with pytest.raises(CollectiveError) as info:
+        session.run("t = torch.ones(2)\ndist.all_reduce(t)", ranks=[0])
+    assert time.monotonic() - start < 10
+    assert info.value.waiting == [0] and info.value.missing == [1] and info.value.rebuilt
+    assert "all_reduce" in str(info.value)
+    assert session.run(ALL_REDUCE) == {0: [3.0, 3.0], 1: [3.0, 3.0]}
+    # A rank that raises before the all_reduce its peer waits in.
+    with pytest.raises(CollectiveError) as info:
+        session.run("if rank == 1:\n    raise RuntimeError('boom')\nt = torch.ones(2)\ndist.all_reduce(t)")
+    assert info.value.missing == [1] and info.value.waiting == [0]
+    assert [type(e) for e in info.value.errors] == [RankRaisedError] and "boom" in str(info.value)
+    assert session.run(ALL_REDUCE) == {0: [3.0, 3.0], 1: [3.0, 3.0]}
+    assert session.run("kept") == {0: 100, 1: 101}
+
+
+def test_a_subgroup_collective_blames_only_its_members_and_a_held_group_is_unstuck():
+    """Rank 2 is not in the subgroup, so it is not waited for; rank 1 holds the subgroup in
+    its namespace (as a DDP wrapper would), which must not keep rank 0 stuck."""
+    with Session(3) as s:
+        s.run("g = dist.new_group([0, 1])\nkept = rank")
+        assert s.run("t = torch.ones(1)\nif rank < 2:\n    dist.all_reduce(t, group=g)\nt.item()") == {
+            0: 2.0, 1: 2.0, 2: 1.0}
+        with pytest.raises(CollectiveError) as info:
+            s.run("t = torch.ones(1)\nif rank == 0:\n    dist.all_reduce(t, group=g)")
+        assert info.value.waiting == [0] and info.value.missing == [1]
+        assert s.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item(), kept") == {r: (3.0, r) for r in range(3)}
+
+
+def test_interrupt_stops_every_rank_keeps_state_and_the_next_call_works(session):
+    idents = identities(session)
+    session.run("kept = rank")
+    threading.Timer(0.3, session.interrupt).start()
+    with pytest.raises(KeyboardInterrupt):
+        session.run("import time\ntime.sleep(30)")
+    start = time.monotonic()
+    assert session.run("kept") == {0: 0, 1: 1}
+    assert time.monotonic() - start < 1
+    # A rank stuck in C++ (an all_reduce rank 1 never joins) is unstuck too.
+    threading.Timer(0.1, session.interrupt).start()
+    with pytest.raises(KeyboardInterrupt):
+        session.run("t = torch.ones(2)\ndist.all_reduce(t)", ranks=[0])
+    assert session.run(ALL_REDUCE) == {0: [3.0, 3.0], 1: [3.0, 3.0]}
+    # Ctrl-C in the caller (SIGINT to this process) while it waits.
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        session.run("import time\ntime.sleep(30)")
+    assert session.run("kept") == {0: 0, 1: 1}
+    assert identities(session) == idents  # no rank died
+    session.interrupt()  # between calls: nothing to stop, and the next call is not affected
+    assert session.run("kept") == {0: 0, 1: 1}
+
+
+def test_timeout_interrupts_and_keeps_state(session):
+    session.run("kept = rank")
+    with pytest.raises(TimeoutError):
+        session.run("import time\ntime.sleep(30)", timeout=0.3)
+    assert session.run("kept") == {0: 0, 1: 1}
+
+
+def test_a_killed_rank_fails_the_call_at_once_and_restart_replaces_it(session):
+    session.run("kept = rank")
+    victim = session.status()[1].pid
+    threading.Timer(0.3, os.kill, (victim, signal.SIGKILL)).start()
+    start = time.monotonic()
+    with pytest.raises(RankExitedError) as info:
+        session.run("import time\ntime.sleep(30)")
+    assert time.monotonic() - start < 5
+    assert info.value.rank == 1 and info.value.signal_name == "SIGKILL"
+    rows = session.status()
+    assert [r.state for r in rows] == ["idle", "dead"] and "SIGKILL" in rows[1].exit_detail
+    with pytest.raises(RankExitedError):
+        session.run("kept")
+    assert session.run("kept", ranks=[0]) == {0: 0}
+    session.restart()
+    assert session.status()[1].pid != victim
+    assert session.run("globals().get('kept')") == {0: 0, 1: None}  # rank 0 kept its state
+    assert session.run(ALL_REDUCE) == {0: [3.0, 3.0], 1: [3.0, 3.0]}
+    # Killed between calls: the next call says so at once.
+    victim = session.status()[0].pid
+    os.kill(victim, signal.SIGKILL)
+    time.sleep(0.1)
+    with pytest.raises(RankExitedError) as info:
+        session.run("1")
+    assert info.value.rank == 0
+    session.restart([0])
+    assert session.run(ALL_REDUCE) == {0: [3.0, 3.0], 1: [3.0, 3.0]}
+
+
+def test_push_and_pull_big_tensors_and_arrays_through_shared_memory(session):
+    import numpy as np
+    import torch
+
+    big = torch.arange(16 << 20, dtype=torch.float32)  # 64 MB
+    arr = np.arange(1 << 18, dtype=np.float64).reshape(512, 512)  # 2 MB
+    session.push(big=big, arr=arr, lr=0.5)
+    assert session.run("float(big[-1]), float(arr.sum()), lr") == {
+        r: (float(big[-1]), float(arr.sum()), 0.5) for r in (0, 1)}
+    # On the rank the tensor is a mapping of the shared-memory file, not a pickled copy.
+    maps = open(f"/proc/{session.status()[0].pid}/maps").read()
+    assert "memfd:mpify_nb-tensor" in maps
+    session.run("big[0] = rank + 7")  # copy-on-write: each rank's writes stay its own
+    pulled = session.pull("big", rank=None)
+    assert [float(t[0]) for t in pulled] == [7.0, 8.0] and float(big[0]) == 0.0
+    assert torch.equal(pulled[1][1:], big[1:])
+    assert session.pull("arr", rank=1).shape == (512, 512)
+    session.run("only_on_0 = 1", ranks=[0])
+    assert session.pull("only_on_0") == 1
+    with pytest.raises(NameError, match="rank 1"):
+        session.pull("only_on_0", rank=1)
+    assert session.missing_names(["only_on_0", "print", "nope"]) == {0: {"nope"}, 1: {"only_on_0", "nope"}}
+
+
+def test_apply_runs_a_notebook_function_that_sees_the_rank_namespace(session):
+    scale = 3
+
+    def f(a, b=0):
+        return rank * scale + a + b  # noqa: F821  (rank lives in the rank's namespace)
+
+    assert session.apply(f, 1, b=10) == {0: 11, 1: 14}
+    assert session.apply(f, 0, ranks=1) == {1: 3}
+
+
+def test_status_rows(session):
+    session.run("import time\nz = 1", ranks=[0])
+    rows = session.status()
+    assert all(isinstance(r, RankStatus) for r in rows)
+    assert [(r.rank, r.state, r.device, r.gpu_memory) for r in rows] == [(0, "idle", "cpu", None),
+                                                                         (1, "idle", "cpu", None)]
+    assert all(r.rss and r.rss > 10 << 20 for r in rows)
+    assert rows[0].last_cell == "import time" and rows[1].last_cell == ""
+    seen = []
+    threading.Timer(0.3, lambda: seen.extend(r.state for r in session.status())).start()
+    session.run("import time\ntime.sleep(0.8)", ranks=[1])
+    assert seen == ["idle", "running"]
+
+
+def test_many_calls_leak_no_fds_and_closed_session_refuses(session):
+    session.run("1")
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(200):
+        session.run("1")
+    assert len(os.listdir("/proc/self/fd")) <= before
+    session.close()
+    with pytest.raises(SessionClosedError):
+        session.run("1")
+
+
+def test_the_caller_listens_on_no_network_port(session):
+    """Ranks reach the caller only through socketpairs and pipes made before they existed."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            rows = [line.split() for line in f.readlines()[1:]]
+        assert not inodes & {row[9] for row in rows}
+
+
+def test_merge_rank_errors_keeps_different_errors_apart():
+    a = RankRaisedError(0, "ValueError", "x", "tb")
+    b = RankRaisedError(1, "ValueError", "x", "tb")
+    c = RankRaisedError(2, "KeyError", "y", "tb")
+    assert merge_rank_errors([b, a]).ranks == [0, 1]
+    root = merge_rank_errors([a, c])
+    assert root.ranks == [root.rank] and len(root.others) == 1
+
+
+def test_rich_display_from_a_rank_reaches_the_callback(session, capsys):
+    shown = []
+    session.run("class Bold:\n    def _repr_html_(self):\n        return f'<b>{rank}</b>'\n"
+                "from IPython.display import display as ipython_display\nipython_display(Bold())",
+                display=lambda rank, bundle: shown.append((rank, bundle.get("text/html"))))
+    assert sorted(shown) == [(0, "<b>0</b>"), (1, "<b>1</b>")]
+    session.run("display(42)", ranks=[1])  # no callback: the text, labelled
+    assert capsys.readouterr().out == "[rank 1] 42\n"
+
+
+def test_a_figure_drawn_on_a_rank_is_shown_at_the_end_of_the_cell(session):
+    pytest.importorskip("matplotlib")
+    shown = []
+    session.run("import matplotlib.pyplot as plt\nplt.plot([1, 2, rank])", ranks=[0],
+                display=lambda rank, bundle: shown.append((rank, sorted(bundle))))
+    assert shown == [(0, ["image/png", "text/plain"])]
+    assert session.run("len(plt.get_fignums())", ranks=[0]) == {0: 0}  # closed after, as inline does
