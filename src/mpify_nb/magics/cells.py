@@ -17,7 +17,8 @@ import ast
 import io
 import re
 import tokenize
-from typing import Optional
+from collections.abc import Sequence
+from typing import Any, Optional, Union
 
 # -- which names a cell takes from the notebook ---------------------------------------------
 
@@ -92,19 +93,24 @@ class _Scan:
                     self.reads(item.optional_vars, inside)  # e.g. `as self.x` reads self
                     inside |= _target_names(item.optional_vars)
             return self.block(stmt.body, inside)
-        if isinstance(stmt, (ast.Try, getattr(ast, "TryStar", ast.Try))):
-            after_body = self.block(stmt.body, bound)
-            for handler in stmt.handlers:
+        if isinstance(stmt, ast.Try) or type(stmt).__name__ == "TryStar":  # TryStar: 3.11+
+            try_stmt: Any = stmt
+            after_body = self.block(try_stmt.body, bound)
+            for handler in try_stmt.handlers:
                 self.reads(handler.type, bound)
                 self.block(handler.body, bound | ({handler.name} if handler.name else set()))
-            self.block(stmt.orelse, after_body)
-            return self.block(stmt.finalbody, bound)
-        if isinstance(stmt, getattr(ast, "Match", ())):  # Python 3.10+
-            self.reads(stmt.subject, bound)
-            for case in stmt.cases:
+            self.block(try_stmt.orelse, after_body)
+            return self.block(try_stmt.finalbody, bound)
+        if type(stmt).__name__ == "Match":  # Python 3.10+
+            match: Any = stmt
+            self.reads(match.subject, bound)
+            for case in match.cases:
                 self.reads(case.pattern, bound)  # value patterns like `case Color.RED`
-                captured = bound | {getattr(node, "name", None) or getattr(node, "rest", None)
-                                    for node in ast.walk(case.pattern)} - {None}
+                captured = set(bound)
+                for node in ast.walk(case.pattern):
+                    name = getattr(node, "name", None) or getattr(node, "rest", None)
+                    if isinstance(name, str):
+                        captured.add(name)
                 self.reads(case.guard, captured)
                 self.block(case.body, captured)
             return bound
@@ -203,7 +209,7 @@ class _Reads(ast.NodeVisitor):
             self._read(node.target.id)  # x += 1 reads x first
         self.generic_visit(node)
 
-    def _visit_function(self, node, body: list[ast.AST], locals_: set[str]) -> None:
+    def _visit_function(self, node, body: Sequence[ast.AST], locals_: set[str]) -> None:
         args = node.args
         for default in [*args.defaults, *args.kw_defaults]:
             if default is not None:
@@ -215,7 +221,7 @@ class _Reads(ast.NodeVisitor):
         self._in_function -= 1
         self._scopes.pop()
 
-    def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
+    def visit_FunctionDef(self, node: Union[ast.FunctionDef, ast.AsyncFunctionDef]) -> None:
         for decorator in node.decorator_list:
             self.visit(decorator)
         for arg in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs,
@@ -226,7 +232,8 @@ class _Reads(ast.NodeVisitor):
             self.visit(node.returns)
         self._visit_function(node, node.body, _parameters(node.args) | _local_names(node.body))
 
-    visit_AsyncFunctionDef = visit_FunctionDef
+    def visit_AsyncFunctionDef(self, node: ast.AsyncFunctionDef) -> None:
+        self.visit_FunctionDef(node)
 
     def visit_Lambda(self, node: ast.Lambda) -> None:
         self._visit_function(node, [node.body], _parameters(node.args))
@@ -255,10 +262,14 @@ class _Reads(ast.NodeVisitor):
             self.visit(part)
         self._scopes.pop()
 
-    def visit_ListComp(self, node) -> None:
+    def visit_ListComp(self, node: ast.ListComp) -> None:
         self._visit_comprehension(node, [node.elt])
 
-    visit_SetComp = visit_GeneratorExp = visit_ListComp
+    def visit_SetComp(self, node: ast.SetComp) -> None:
+        self._visit_comprehension(node, [node.elt])
+
+    def visit_GeneratorExp(self, node: ast.GeneratorExp) -> None:
+        self._visit_comprehension(node, [node.elt])
 
     def visit_DictComp(self, node: ast.DictComp) -> None:
         self._visit_comprehension(node, [node.key, node.value])

@@ -66,8 +66,10 @@ def _run_cell_on_rank(source: str, filename: str, send_value: bool = True) -> An
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     module = ast.parse(source, filename)
     last: Optional[ast.Expression] = None
-    if module.body and isinstance(module.body[-1], ast.Expr):
-        last = ast.Expression(module.body.pop().value)
+    tail = module.body[-1] if module.body else None
+    if isinstance(tail, ast.Expr):
+        module.body.pop()
+        last = ast.Expression(tail.value)
     # dont_inherit: this module's `from __future__ import annotations` must not leak into the cell.
     exec(compile(module, filename, "exec", dont_inherit=True), namespace)
     if last is None:
@@ -145,6 +147,7 @@ def ranch_magics_class() -> type:
             global _last_result
             args = self._parse(line)
             shell = self.shell
+            assert shell is not None  # registered by load_ipython_extension
             if sys.modules.get("__main__") is not shell.user_module:
                 raise UsageError("%%ranch needs the notebook's namespace to be __main__ "
                                  "(IPython's user module), and it is not in this shell")
@@ -234,7 +237,8 @@ def ranch_magics_class() -> type:
             return args
 
         def _show(self, values: list) -> None:
-            formatter = self.shell.display_formatter
+            assert self.shell is not None
+            formatter: Any = self.shell.display_formatter
             as_text = formatter.formatters["text/plain"]
             lines: list[str] = []
             data, metadata = formatter.format(values[0])
