@@ -35,7 +35,8 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     """pyright over src/ with the settings in pyproject.toml ([tool.pyright])."""
     session.install(TORCH)
-    session.install("-e", ".", "pyright==1.1.414")
+    # matplotlib: optional at run time (a Session rank shows figures with it), checked here all the same.
+    session.install("-e", ".", "pyright==1.1.414", "matplotlib")
     session.run("pyright", *session.posargs)
 
 
