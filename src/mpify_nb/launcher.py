@@ -37,7 +37,7 @@ import time
 import weakref
 from typing import Any, Callable, Optional
 
-from . import ddp, libraries, payload, placement, wire
+from . import ddp, libraries, payload, placement, preload, template, wire
 from . import rank as rank_module
 from .errors import PayloadError, RankError, RankExitedError, RemoteFailure, safe_str
 from .relay import OutputRelay
@@ -243,6 +243,7 @@ class _Call:
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.timeout = timeout
         self.ranks: dict[int, _Rank] = {}
+        self.imported: list[tuple[str, Optional[str]]] = []  # modules the ranks imported (preload.py)
         self.failure: Optional[BaseException] = None
         self.cond = threading.Condition()
         self.selector = selectors.DefaultSelector()
@@ -322,6 +323,7 @@ class _Call:
             os.close(self.wake_r)
             os.close(self.wake_w)
             state.restore()
+            self._learn_imports()
 
     def _world_env(self) -> dict:
         store_rank = next((r for r in range(self.nprocs) if r != self.caller_rank), 0)
@@ -437,6 +439,11 @@ class _Call:
         kind, body = data[:1], data[1:]
         if kind == rank_module.READY:
             handle.ready = True
+        elif kind == rank_module.IMPORTED:
+            try:
+                self.imported.extend(pickle.loads(body))
+            except Exception:
+                pass
         elif kind == rank_module.VALUE:
             handle.done = True
             try:
@@ -601,6 +608,20 @@ class _Call:
             pass
 
     # -- ending --------------------------------------------------------------------------
+
+    def _learn_imports(self) -> None:
+        """Let the template come to hold what the ranks imported (in the background; see preload.py)."""
+        if not self.ranks or placement.get_start_method() != "template":
+            return
+        try:
+            cwd = os.getcwd()
+        except OSError:
+            return
+        try:
+            preload.learn(self.imported, cwd)
+            template.refresh(cwd)
+        except Exception:
+            pass  # only a speed-up is lost
 
     def _raise_failure(self) -> None:
         if self.interrupted:
