@@ -617,11 +617,7 @@ class _Call:
             cwd = os.getcwd()
         except OSError:
             return
-        try:
-            preload.learn(self.imported, cwd)
-            template.refresh(cwd)
-        except Exception:
-            pass  # only a speed-up is lost
+        threading.Thread(target=_learn, args=(self.imported, cwd), name="mpify_nb-learn", daemon=True).start()
 
     def _raise_failure(self) -> None:
         if self.interrupted:
@@ -652,6 +648,15 @@ class _Call:
             except OSError:
                 pass
             handle.close()
+
+
+def _learn(imported: list, cwd: str) -> None:
+    """In the background: the call has returned, and this never makes it wait."""
+    try:
+        preload.learn(imported, cwd)
+        template.refresh(cwd)
+    except Exception:
+        pass  # only a speed-up is lost
 
 
 class _CallerState:

@@ -181,12 +181,23 @@ class _Roots:
     def installed(self, file: Optional[str]) -> bool:
         if not file:
             return False  # builtin, frozen or namespace package: nothing to gain
+        key = (file, self.cwd)
+        verdict = _verdicts.get(key)
+        if verdict is None:
+            verdict = _verdicts[key] = self._installed(file)
+        return verdict
+
+    def _installed(self, file: str) -> bool:
         path = os.path.realpath(file)
         if any(path.startswith(root) for root in self.sites):
             return True
         if self.cwd is not None and path.startswith(self.cwd):
             return False  # the notebook's own code, even where the standard library lives
         return any(path.startswith(root) for root in self.stdlib)
+
+
+#: (file, cwd) -> installed? realpath() of thousands of files costs ~0.4 s; files don't move.
+_verdicts: dict[tuple[str, Optional[str]], bool] = {}
 
 
 def _real_dir(path: str) -> str:

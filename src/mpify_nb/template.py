@@ -472,7 +472,8 @@ def refresh(cwd: Optional[str] = None) -> None:
         current = _client
         if current is None or not current.alive():
             return  # the next call starts one (with the named modules); then we add the rest
-        missing = [n for n in want if n not in current.holds()]
+        held = current.holds()
+        missing = [n for n in want if n not in held]
         if missing:
             missing = current.lacks(missing)
         if not missing:
