@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any, Callable, Optional, Union
 
@@ -176,6 +177,56 @@ class TorchDDPCtx:
             import torch
 
             torch.cuda.set_device(previous)
+
+
+ENDED_GROUP_MESSAGE = (
+    "this DistributedDataParallel model was made on the process group of a ranch call (or a %%ranch --ddp "
+    "cell) that has ended: that group ended with the call and its other ranks are gone, so the model "
+    "cannot run its collectives here. Use its .module (the trained model itself, e.g. model.module(x)), "
+    "or wrap it in DistributedDataParallel again inside a new call."
+)
+
+
+def disarm_ended_ddp(roots: Sequence[Any]) -> int:
+    """After a call whose process group ended: make each DistributedDataParallel model found in
+    ``roots`` (and one level inside them: containers, attributes) fail at once with a clear
+    RuntimeError when used, instead of gloo's "Connection closed by peer" (or a hang) when it
+    tries to talk to ranks that are gone. Returns how many were found."""
+    torch = sys.modules.get("torch")
+    parallel = sys.modules.get("torch.nn.parallel")
+    if torch is None or parallel is None:
+        return 0
+    ddp_type = parallel.DistributedDataParallel
+    found = 0
+    seen: set[int] = set()
+    for obj in _one_level_down(roots):
+        if isinstance(obj, ddp_type) and id(obj) not in seen:
+            seen.add(id(obj))
+            if not getattr(obj, "_mpify_group_ended", False):
+                obj._mpify_group_ended = True
+                obj.register_forward_pre_hook(_refuse_ended_group)
+            found += 1
+    return found
+
+
+def _refuse_ended_group(module, args) -> None:
+    raise RuntimeError(ENDED_GROUP_MESSAGE)
+
+
+def _one_level_down(roots: Sequence[Any]):
+    for root in roots:
+        yield root
+        if isinstance(root, dict):
+            children = list(root.values())
+        elif isinstance(root, (list, tuple, set)):
+            children = list(root)
+        else:
+            attributes = getattr(root, "__dict__", None)
+            children = list(attributes.values()) if isinstance(attributes, dict) and not isinstance(root, type) else []
+        for child in children[:10000]:
+            yield child
+            if isinstance(child, (list, tuple, dict)):  # e.g. {"model": ddp} or [ddp, opt]
+                yield from (child.values() if isinstance(child, dict) else child)
 
 
 def group_count() -> Optional[int]:

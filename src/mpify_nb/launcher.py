@@ -323,6 +323,7 @@ class _Call:
             os.close(self.wake_r)
             os.close(self.wake_w)
             state.restore()
+            state.disarm_ended_ddp(values)
             self._learn_imports()
 
     def _world_env(self) -> dict:
@@ -695,6 +696,20 @@ class _CallerState:
         self.group_count = ddp.group_count() if torch is not None else None
         self.libraries = libraries.LibraryState.snapshot()
         return self
+
+    def disarm_ended_ddp(self, values: list) -> None:
+        """A DDP model made on the group this call ended, left in the notebook (a %%ranch --ddp
+        cell's variable, or the caller's return value), must say so when used (see ddp.py)."""
+        if self.environ is None or self.dist_was_up:
+            return
+        torch = sys.modules.get("torch")
+        try:
+            if torch is None or torch.distributed.is_initialized():
+                return  # the function left a group up: its models still work
+            main = sys.modules.get("__main__")
+            ddp.disarm_ended_ddp([values, *(vars(main).values() if main is not None else ())])
+        except Exception:
+            pass  # only a clearer error is lost
 
     def restore(self) -> None:
         if self.environ is None:

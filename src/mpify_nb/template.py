@@ -155,7 +155,7 @@ def _preload(control: socket.socket) -> dict[str, str]:
         for name in names:
             if name in sys.modules:
                 continue
-            wire.send(control, pickle.dumps(("trying", name)))
+            _tell(control, "trying", name)
             try:
                 importlib.import_module(name)
             except BaseException as e:  # SystemExit, KeyboardInterrupt too: skip it, go on
@@ -167,7 +167,7 @@ def _preload(control: socket.socket) -> dict[str, str]:
             elif threading.active_count() > 1:
                 why = "it starts a thread at import"
             if why:
-                wire.send(control, pickle.dumps(("rejected", name, why)))
+                _tell(control, "rejected", name, why)
                 os._exit(0)
     finally:
         for fd, saved_fd in zip((1, 2), saved):
@@ -175,6 +175,13 @@ def _preload(control: socket.socket) -> dict[str, str]:
             os.close(saved_fd)
         os.close(devnull)
     return failed
+
+
+def _tell(control: socket.socket, *message) -> None:
+    try:
+        wire.send(control, pickle.dumps(message))
+    except OSError:
+        os._exit(0)  # the caller no longer wants us (preloading was turned off, or it left)
 
 
 def _reap(reply, children: set[int]) -> None:
