@@ -549,3 +549,14 @@ def listening_now() -> list[str]:
 
 def master_port() -> int:
     return int(os.environ["MASTER_PORT"])
+
+
+def tqdm_bar(n: int, pause: float) -> int:
+    """A plain tqdm bar over ``n`` steps of ``pause`` seconds, redrawn at every step."""
+    from tqdm import tqdm
+
+    done = 0
+    for _ in tqdm(range(n), desc="bar", mininterval=0):
+        time.sleep(pause)
+        done += 1
+    return done
