@@ -560,3 +560,13 @@ def tqdm_bar(n: int, pause: float) -> int:
         time.sleep(pause)
         done += 1
     return done
+
+
+def modules_then_import(names: list) -> dict:
+    """Which of ``names`` this rank already held when ``fn`` began; then import them all."""
+    import importlib
+
+    held = {name: name in sys.modules for name in names}
+    for name in names:
+        importlib.import_module(name)
+    return held

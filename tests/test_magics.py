@@ -375,6 +375,20 @@ def test_ddp_all_reduce_with_gloo(kernel):
     assert after.shown() == ["(False, 3.0)"]
 
 
+def test_a_ddp_model_left_by_a_ddp_cell_says_its_group_ended(kernel):
+    kernel.ok("%%ranch 2 --ddp\nimport torch\ntorch.manual_seed(0)\n"
+              "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))\n"
+              "model(torch.ones(1, 2)).sum().backward()")
+    # Before: gloo's "Connection closed by peer ... typically caused by a remote worker crashing".
+    ran = kernel.run("model(torch.ones(1, 2))")
+    assert not ran.ok
+    assert ran.error.ename == "RuntimeError"
+    assert "process group of a ranch call (or a %%ranch --ddp cell) that has ended" in ran.error.evalue
+    assert "Connection closed" not in ran.error_text()
+    # The model itself is there, trained, and usable.
+    assert kernel.ok("tuple(model.module(torch.ones(1, 2)).shape)").shown() == ["(1, 1)"]
+
+
 def test_timeout_stops_the_cell(kernel):
     ran = kernel.run("%%ranch 2 --timeout 1\nimport time\nwhile True:\n    time.sleep(60)")
     assert not ran.ok

@@ -266,6 +266,25 @@ def test_rank_error_fails_the_cell_with_the_remote_traceback(notebook):
     assert "launcher.py" not in text and "rank.py" not in text
 
 
+def test_a_warning_on_rank_1_shows_its_source_line(notebook):
+    # A warning names the notebook cell's line, and Python prints that line under it: the
+    # cell exists only in the kernel's linecache, so the rank had no line to print.
+    cells = notebook([
+        PRELUDE,
+        "import warnings\n"
+        "def warns():\n"
+        "    warnings.warn('careful on rank ' + os.environ['RANK'])  # the source line\n"
+        "    return 1\n",
+        "print(ranch(2, warns))",
+    ])
+    err = nbutil.stream_text(cells[2], "stderr")
+    lines = err.splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("[rank 1] ") and "careful on rank 1" in ln)
+    assert "UserWarning" in lines[at], err
+    source = "warnings.warn('careful on rank ' + os.environ['RANK'])  # the source line"
+    assert lines[at + 1] == f"[rank 1]   {source}", err
+
+
 def test_kernel_keeps_working_after_a_rank_error(notebook):
     cells = notebook([
         PRELUDE,

@@ -618,7 +618,7 @@ class _Call:
             cwd = os.getcwd()
         except OSError:
             return
-        threading.Thread(target=_learn, args=(self.imported, cwd), name="mpify_nb-learn", daemon=True).start()
+        template.in_background(_learn, self.imported, cwd)
 
     def _raise_failure(self) -> None:
         if self.interrupted:

@@ -6,7 +6,7 @@ caller's own ``sys.stdout``/``sys.stderr``, each line prefixed with its rank::
 
     [rank 1] epoch 0 loss 0.731
 
-A line ends at ``\\n`` or ``\\r`` (so progress bars redraw in place). A partial
+A line ends at ``\\n`` (or ``\\r``: see bars below). A partial
 line (``print("working...", end="", flush=True)``) is shown once it has waited
 ``_PARTIAL_WAIT`` seconds for its end, and its end then continues it on the same
 line, unless another rank (or the caller) wrote meanwhile: then a newline closes
@@ -14,8 +14,22 @@ the open line first and the rest comes on a new, labelled one. So output is live
 and lines of different ranks never interleave mid-line. The pipes are always
 drained, so a rank can never block on a full pipe, and nothing is lost at exit.
 
+A carriage-return line (tqdm's bar, Lightning's, ``print(..., end="\\r")``) is a
+*bar*: its redraws would garble the lines of other ranks, so it is not written to
+the stream. Each rank's bar is one live line of the cell instead::
+
+    rank 1 pipe:  "\\rbar  3%" "\\rbar 50%" ... "\\rbar 100%" "\\n"
+        relay:    _Bar(text) --- Jupyter: display(..., display_id) then update_display
+                                 at most 10/s, left at its final state
+                             --- elsewhere (terminal, file): "[rank 1] bar 50%\\n" at
+                                 most every 2 s, and its final state
+
+A bare leading ``\\r`` (tqdm starts every redraw with one) shows nothing by itself.
+The caller's own bar (rank 0) is the notebook's own output and is left alone: in
+Jupyter its stream redraws in place, or tqdm.auto shows a widget.
+
 The thread runs in a copy of the caller's ``contextvars`` context: ipykernel
-uses one to route output to the cell that started the call.
+uses one to route output (streams and displays) to the cell that started the call.
 """
 
 from __future__ import annotations

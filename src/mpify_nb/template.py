@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import NoReturn, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 from . import preload, wire
 
@@ -487,7 +487,7 @@ def refresh(cwd: Optional[str] = None) -> None:
             return
         _candidate = TemplateClient(want, preload.site_paths())
         candidate = _candidate
-    threading.Thread(target=_watch_candidate, args=(candidate, cwd), name="mpify_nb-preload", daemon=True).start()
+    in_background(_watch_candidate, candidate, cwd)
 
 
 def _watch_candidate(candidate: TemplateClient, cwd: Optional[str]) -> None:
@@ -505,6 +505,26 @@ def _watch_candidate(candidate: TemplateClient, cwd: Optional[str]) -> None:
     refresh(cwd)  # what it failed on is left out now, and more may be wanted by now
 
 
+_busy = 0  # background work under way that may start or swap in a template (wait_preloaded waits for it)
+
+
+def in_background(work: Callable[..., None], *args: Any) -> None:
+    """Run ``work(*args)`` on a daemon thread; wait_preloaded() waits for it to end."""
+    global _busy
+
+    def run() -> None:
+        global _busy
+        try:
+            work(*args)
+        finally:
+            with _lock:
+                _busy -= 1
+
+    with _lock:
+        _busy += 1
+    threading.Thread(target=run, name="mpify_nb-preload", daemon=True).start()
+
+
 #: Seconds a preloading template may take before it is given up.
 _PRELOAD_PATIENCE = 600.0
 
@@ -514,7 +534,7 @@ def wait_preloaded(timeout: Optional[float] = None) -> bool:
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         with _lock:
-            settled = _settle_candidate()
+            settled = _settle_candidate() and not _busy
         if settled:
             return True
         if deadline is not None and time.monotonic() > deadline:
