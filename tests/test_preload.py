@@ -23,6 +23,7 @@ STDLIB = ["colorsys", "wave", "netrc", "tabnanny"]
 @pytest.fixture(autouse=True)
 def fresh():
     def reset():
+        template.wait_preloaded(timeout=120)  # what the last call set going in the background
         template.shutdown()
         preload._learned.clear()
         preload._failed.clear()
