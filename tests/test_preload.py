@@ -112,3 +112,24 @@ def test_the_environment_variable_names_modules_and_turns_it_off(monkeypatch):
     monkeypatch.setenv("MPIFY_NB_PRELOAD", "0")
     preload._from_environment()
     assert not preload.enabled()
+
+
+@pytest.mark.parametrize("what, source, why", [
+    # CUDA mocked (a CPU machine): what torch.cuda.is_initialized() reads after a real cuInit.
+    ("cuda", "import torch\ntorch.cuda._initialized = True\n", "initializes CUDA"),
+    ("thread", "import threading, time\nthreading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\n",
+     "starts a thread"),
+])
+def test_a_module_that_would_make_forks_unsafe_is_left_out(tmp_path, monkeypatch, what, source, why):
+    # Such a module makes its template unusable: it is dropped, and a template without it takes over.
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    name = f"mpify_{what}_{uuid.uuid4().hex[:8]}"
+    (site / f"{name}.py").write_text("import os\nif 'RANK' not in os.environ:\n" +
+                                     "".join("    " + line + "\n" for line in source.splitlines()))
+    monkeypatch.syspath_prepend(str(site))
+    held_at_start([name, "wave"])
+    assert template.wait_preloaded(timeout=120)
+    held_at_start([])
+    assert held_at_start([name, "wave"]) == [{name: False, "wave": True}] * 2
+    assert why in preload.failed()[name]
