@@ -21,6 +21,19 @@ The caller's environment, working directory and sys.path are applied by the rank
 itself from the call's setup message, so they are those of each call. The
 template is restarted when it died or when a variable that matters at import
 time (PYTHONPATH, LD_PRELOAD, thread counts...) changed since it started.
+
+Preloading (what to preload: preload.py). The first message a template gets names
+modules to import before it serves forks. After a call, if the ranks or the notebook
+imported modules the current template lacks, a *candidate* template is started with
+all of them; the current one keeps serving meanwhile::
+
+    refresh()  -- lacks? (HAS names) ------------> current template: [names it holds]
+               -- new TemplateClient(wanted) ----> candidate: import one by one
+                                                   ("trying" name, ... READY failed)
+    get_template(): candidate READY  -> it becomes the template; the old one retires
+                                        (ends once its last rank has exited)
+                    candidate rejected (CUDA, thread) or died -> the module is
+                                        remembered as failed; refresh() again
 """
 
 from __future__ import annotations
@@ -260,7 +273,10 @@ class TemplateClient:
         self._held: set[str] = set()  # modules it was found to hold besides those it preloaded
         self._has: dict[int, list[str]] = {}
         self._retiring = False
-        wire.send(self._control, pickle.dumps(("preload", self.preload, list(paths))))
+        try:
+            wire.send(self._control, pickle.dumps(("preload", self.preload, list(paths))))
+        except OSError:
+            pass  # it died at once: the reader sees it, and wait_ready() says so
         self._reader = threading.Thread(target=self._read_replies, name="mpify_nb-template-reader", daemon=True)
         self._reader.start()
 
@@ -479,12 +495,13 @@ def refresh(cwd: Optional[str] = None) -> None:
         current = _client
         if current is None or not current.alive():
             return  # the next call starts one (with the named modules); then we add the rest
-        held = current.holds()
-        missing = [n for n in want if n not in held]
-        if missing:
-            missing = current.lacks(missing)
-        if not missing:
-            return
+    held = current.holds()
+    missing = [n for n in want if n not in held]
+    if not missing or not current.lacks(missing):  # asked without _lock: a call may want a fork now
+        return
+    with _lock:
+        if _candidate is not None or current is not _client:
+            return  # someone else got there first
         _candidate = TemplateClient(want, preload.site_paths())
         candidate = _candidate
     in_background(_watch_candidate, candidate, cwd)
