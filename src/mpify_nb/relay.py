@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Optional, TextIO
+from typing import Any, Optional, TextIO
 
 _CHUNK = 1 << 16
 _MID_LINE_WAIT = 0.5
@@ -63,7 +63,7 @@ class _Bar:
         self.text = ""  # its state now
         self.shown: Optional[str] = None  # the state last shown (None: never)
         self.last_shown: Optional[float] = None
-        self.handle = None  # the Jupyter display handle, once shown
+        self.handle: Any = None  # the Jupyter display handle, once shown
 
     def due(self, jupyter: bool) -> float:
         """When its next state may be shown."""
@@ -77,7 +77,7 @@ def _notebook_display(stream: TextIO):
     if not type(stream).__module__.startswith("ipykernel."):
         return None
     try:
-        from IPython import get_ipython
+        from IPython.core.getipython import get_ipython
         from IPython.display import display
     except ImportError:
         return None
