@@ -8,6 +8,7 @@ Where things happen, by module:
 
 ==============  ===============================================================
 launcher.py     ranch(): the call from start to teardown, the watch over ranks
+interrupts.py   the stop button for calls on threads other than the main one
 payload.py      packing the call and the results (dill, shared-memory tensors)
 placement.py    where a rank starts (the seam): template fork or fresh spawn
 template.py     the warm process ranks are forked from
@@ -56,6 +57,11 @@ def load_ipython_extension(ipython) -> None:
 
     load(ipython)
 
+
+if os.environ.get("MPIFY_NB_CHILD") != "1":
+    from .interrupts import install as _install_sigint
+
+    _install_sigint()  # the stop button reaches calls on other threads too (interrupts.py)
 
 # Start the template now, in the background, so the first call does not pay for
 # importing torch. Not in our own children (ranks and the template itself).
