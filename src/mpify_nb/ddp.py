@@ -18,6 +18,7 @@ Outside ``ranch`` it is the usual ``env://`` rendezvous.
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import sys
 from collections.abc import Sequence
@@ -200,7 +201,7 @@ def disarm_ended_ddp(roots: Sequence[Any]) -> int:
     found = 0
     seen: set[int] = set()
     for obj in _one_level_down(roots):
-        if isinstance(obj, ddp_type) and id(obj) not in seen:
+        if issubclass(type(obj), ddp_type) and id(obj) not in seen:
             seen.add(id(obj))
             if not getattr(obj, "_mpify_group_ended", False):
                 obj._mpify_group_ended = True
@@ -214,19 +215,30 @@ def _refuse_ended_group(module, args) -> None:
 
 
 def _one_level_down(roots: Sequence[Any]):
+    """``roots``, and what they hold one level down: items of lists, tuples, sets and dicts, and
+    attributes of objects whose class the notebook defined (a trainer of its own). By type only:
+    no attribute of a library object is read (some warn, or do work, when touched)."""
     for root in roots:
         yield root
-        if isinstance(root, dict):
-            children = list(root.values())
-        elif isinstance(root, (list, tuple, set)):
-            children = list(root)
-        else:
-            attributes = getattr(root, "__dict__", None)
-            children = list(attributes.values()) if isinstance(attributes, dict) and not isinstance(root, type) else []
-        for child in children[:10000]:
+        for child in _held_by(root):
             yield child
-            if isinstance(child, (list, tuple, dict)):  # e.g. {"model": ddp} or [ddp, opt]
-                yield from (child.values() if isinstance(child, dict) else child)
+            if type(child) in (list, tuple, dict):  # e.g. {"model": ddp} or [ddp, opt]
+                yield from _held_by(child)
+
+
+def _held_by(obj: Any) -> list:
+    kind = type(obj)
+    if kind is dict:
+        return list(itertools.islice(obj.values(), 10000))  # a million-item list is not worth a look
+    if kind in (list, tuple, set):
+        return list(itertools.islice(obj, 10000))
+    if kind.__module__ == "__main__" and not isinstance(obj, type):
+        try:
+            attributes = object.__getattribute__(obj, "__dict__")
+        except AttributeError:
+            return []
+        return list(itertools.islice(attributes.values(), 10000)) if type(attributes) is dict else []
+    return []
 
 
 def group_count() -> Optional[int]:
