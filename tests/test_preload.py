@@ -16,8 +16,15 @@ import helpers_ranks as hr
 import mpify_nb
 from mpify_nb import preload, template
 
-# Standard-library modules that neither torch, numpy nor this test process import.
-STDLIB = ["colorsys", "wave", "netrc", "tabnanny"]
+# Standard-library modules that neither torch nor numpy import (the base template lacks them).
+POOL = ["colorsys", "wave", "netrc", "tabnanny", "sched", "pyclbr", "filecmp", "graphlib", "poplib", "ftplib"]
+
+
+def unused(k: int) -> list[str]:
+    """``k`` of them this process has not imported either (so only a rank's import can teach them)."""
+    names = [name for name in POOL if name not in sys.modules][:k]
+    assert len(names) == k, "this process imported most of the pool: add more names"
+    return names
 
 
 @pytest.fixture(autouse=True)
@@ -39,17 +46,17 @@ def held_at_start(names: list) -> list[dict]:
     return mpify_nb.ranch(2, hr.modules_then_import, names, caller_rank=None)
 
 
-def test_base_template_lacks_the_test_modules():
-    assert held_at_start(STDLIB) == [dict.fromkeys(STDLIB, False)] * 2
-    assert not set(STDLIB) & set(sys.modules), "this process imported one: pick others"
+def test_base_template_lacks_the_pool():
+    assert held_at_start(POOL) == [dict.fromkeys(POOL, False)] * 2
 
 
 def test_a_module_a_rank_imported_in_call_1_is_in_the_rank_of_call_3():
-    assert held_at_start(["colorsys"]) == [{"colorsys": False}] * 2  # call 1: imported by the ranks
+    [mod] = unused(1)
+    assert held_at_start([mod]) == [{mod: False}] * 2  # call 1: imported by the ranks
     assert template.wait_preloaded(timeout=120)
     held_at_start([])  # call 2
-    assert held_at_start(["colorsys"]) == [{"colorsys": True}] * 2  # call 3: there before fn began
-    assert "colorsys" in template.get_template().holds()
+    assert held_at_start([mod]) == [{mod: True}] * 2  # call 3: there before fn began
+    assert mod in template.get_template().holds()
 
 
 def test_working_directory_modules_are_never_preloaded(tmp_path, monkeypatch):
@@ -58,32 +65,35 @@ def test_working_directory_modules_are_never_preloaded(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     __import__(name)  # the notebook imported it too
+    [mod] = unused(1)
     try:
-        held_at_start([name, "wave"])
+        held_at_start([name, mod])
         assert template.wait_preloaded(timeout=120)
         held_at_start([])
-        # wave was preloaded (so a preloading template did come), the user's own module was not.
-        assert held_at_start([name, "wave"]) == [{name: False, "wave": True}] * 2
+        # The stdlib module was preloaded (so a preloading template did come), the user's own was not.
+        assert held_at_start([name, mod]) == [{name: False, mod: True}] * 2
     finally:
         sys.modules.pop(name, None)
 
 
 def test_set_preload_false_turns_it_off():
-    held_at_start(["netrc"])
+    first, second = unused(2)
+    held_at_start([first])
     assert template.wait_preloaded(timeout=120)
-    assert held_at_start(["netrc"]) == [{"netrc": True}] * 2
+    assert held_at_start([first]) == [{first: True}] * 2
     mpify_nb.set_preload(False)  # the next call starts from a template holding torch only
-    assert held_at_start(["netrc", "tabnanny"]) == [{"netrc": False, "tabnanny": False}] * 2
+    assert held_at_start([first, second]) == [{first: False, second: False}] * 2
     assert template.wait_preloaded(timeout=120)
     held_at_start([])
-    assert held_at_start(["netrc", "tabnanny"]) == [{"netrc": False, "tabnanny": False}] * 2
+    assert held_at_start([first, second]) == [{first: False, second: False}] * 2
 
 
 def test_named_modules_are_preloaded_before_any_rank_imports_them():
+    [mod] = unused(1)
     held_at_start([])
-    mpify_nb.set_preload(["tabnanny"])
+    mpify_nb.set_preload([mod])
     assert template.wait_preloaded(timeout=120)
-    assert held_at_start(["tabnanny"]) == [{"tabnanny": True}] * 2
+    assert held_at_start([mod]) == [{mod: True}] * 2
 
 
 def test_a_module_that_fails_in_the_template_is_skipped_and_remembered(tmp_path, monkeypatch):
@@ -95,11 +105,12 @@ def test_a_module_that_fails_in_the_template_is_skipped_and_remembered(tmp_path,
     (site / f"{name}.py").write_text(
         "import os\nif 'RANK' not in os.environ:\n    raise RuntimeError('only in a rank')\n")
     monkeypatch.syspath_prepend(str(site))
-    held_at_start([name, "colorsys"])
+    [mod] = unused(1)
+    held_at_start([name, mod])
     assert template.wait_preloaded(timeout=120)
     held_at_start([])
-    # The template works, holds colorsys, and left the broken module out.
-    assert held_at_start([name, "colorsys"]) == [{name: False, "colorsys": True}] * 2
+    # The template works, holds the stdlib module, and left the broken one out.
+    assert held_at_start([name, mod]) == [{name: False, mod: True}] * 2
     assert "only in a rank" in preload.failed()[name]
     template.refresh()  # remembered: no new template is started for it
     assert template._candidate is None
@@ -128,8 +139,9 @@ def test_a_module_that_would_make_forks_unsafe_is_left_out(tmp_path, monkeypatch
     (site / f"{name}.py").write_text("import os\nif 'RANK' not in os.environ:\n" +
                                      "".join("    " + line + "\n" for line in source.splitlines()))
     monkeypatch.syspath_prepend(str(site))
-    held_at_start([name, "wave"])
+    [mod] = unused(1)
+    held_at_start([name, mod])
     assert template.wait_preloaded(timeout=120)
     held_at_start([])
-    assert held_at_start([name, "wave"]) == [{name: False, "wave": True}] * 2
+    assert held_at_start([name, mod]) == [{name: False, mod: True}] * 2
     assert why in preload.failed()[name]
