@@ -7,11 +7,17 @@ each call starts its own kernel and shuts it down, checking nothing it started i
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Callable
 
 import pytest
+
+# Preloading (a template started in the background after a call) would show up in the tests that
+# check a call leaves no process or thread behind. Off by default here, and in the kernels tests
+# start (they inherit this environment); test_preload.py and test_libraries.py turn it on.
+os.environ.setdefault("MPIFY_NB_PRELOAD", "0")
 
 # nbutil sits next to this file; make it importable as a plain module from any test.
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -558,3 +558,24 @@ def listening_now() -> list[str]:
 
 def master_port() -> int:
     return int(os.environ["MASTER_PORT"])
+
+
+def tqdm_bar(n: int, pause: float) -> int:
+    """A plain tqdm bar over ``n`` steps of ``pause`` seconds, redrawn at every step."""
+    from tqdm import tqdm
+
+    done = 0
+    for _ in tqdm(range(n), desc="bar", mininterval=0):
+        time.sleep(pause)
+        done += 1
+    return done
+
+
+def modules_then_import(names: list) -> dict:
+    """Which of ``names`` this rank already held when ``fn`` began; then import them all."""
+    import importlib
+
+    held = {name: name in sys.modules for name in names}
+    for name in names:
+        importlib.import_module(name)
+    return held

@@ -79,14 +79,25 @@ def _state_probe() -> str:
     )
 
 
+#: The module each run makes rank 1 import (and the template then preloads).
+LIBRARY_MODULE = {"accelerate": "accelerate", "fabric": "lightning.fabric", "lightning": "lightning.pytorch",
+                  "hf": "transformers.trainer"}
+
+
 def _run_three_times(name: str, extra_cells: list[str] = ()) -> list:
+    """The run three times in a kernel with preloading on (as by default): the first call from a
+    template holding torch only, the next two from one that preloaded what rank 1 imported."""
     cells = nbutil.run_cells([
-        "import json, os, sys, torch\nfrom mpify_nb import ranch\ntorch.set_num_threads(2)",
+        "import json, os, sys, torch, mpify_nb\nfrom mpify_nb import ranch\ntorch.set_num_threads(2)\n"
+        "mpify_nb.set_preload(True)\n"
+        "def held(name):\n    return name in sys.modules\n",
         TRAINING_CELL,
         _state_probe(),
-        *[f"print('RESULTS', json.dumps(ranch(2, train_{name})))\n" + _state_probe() for _ in range(3)],
+        *[f"print('RESULTS', json.dumps(ranch(2, train_{name})))\n" + _state_probe()
+          + ("mpify_nb.template.wait_preloaded(300)\n" if call == 0 else "") for call in range(3)],
+        f"print('HELD', json.dumps(ranch(2, held, {LIBRARY_MODULE[name]!r})))",
         *extra_cells,
-    ], timeout=120)
+    ], timeout=300)
     return cells
 
 
@@ -111,6 +122,8 @@ def _check(name: str, cells, expected: list[dict]) -> None:
         assert after["root"] == before["root"] and after["level"] == before["level"], (name, call, after)
         if after["singletons"] is not None:  # accelerate was imported: its state is empty again
             assert after["singletons"] == [0, 0, 0], (name, call, after)
+    # Rank 1 found the library in its template: it did not import it again.
+    assert _parse(cells[6], "HELD")[1] is True, nbutil.all_text(cells[6])
 
 
 NOTEBOOK_LAUNCHER = (

@@ -7,6 +7,7 @@ variable names. The interrupt test and the example notebook get a kernel of thei
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 import threading
 import time
@@ -374,6 +375,20 @@ def test_ddp_all_reduce_with_gloo(kernel):
     assert after.shown() == ["(False, 3.0)"]
 
 
+def test_a_ddp_model_left_by_a_ddp_cell_says_its_group_ended(kernel):
+    kernel.ok("%%ranch 2 --ddp\nimport torch\ntorch.manual_seed(0)\n"
+              "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))\n"
+              "model(torch.ones(1, 2)).sum().backward()")
+    # Before: gloo's "Connection closed by peer ... typically caused by a remote worker crashing".
+    ran = kernel.run("model(torch.ones(1, 2))")
+    assert not ran.ok
+    assert ran.error.ename == "RuntimeError"
+    assert "process group of a ranch call (or a %%ranch --ddp cell) that has ended" in ran.error.evalue
+    assert "Connection closed" not in ran.error_text()
+    # The model itself is there, trained, and usable.
+    assert kernel.ok("tuple(model.module(torch.ones(1, 2)).shape)").shown() == ["(1, 1)"]
+
+
 def test_timeout_stops_the_cell(kernel):
     ran = kernel.run("%%ranch 2 --timeout 1\nimport time\nwhile True:\n    time.sleep(60)")
     assert not ran.ok
@@ -401,9 +416,16 @@ def test_output_of_every_rank_is_live(kernel, tmp_path):
     ran = kernel.run(source, during=lambda cell: (wait_for_output(cell, r"\[rank 1\] waiting"), go.touch()))
     assert ran.ok, ran.outputs
     err = ran.stream("stderr")
-    # Text bars (no ipywidgets here), redrawn in place with \r: rank 0's own, rank 1's labelled.
-    assert re.search(r"(?:^|[\r\n])bar: 100%[^\r\n]*3/3", err), err
-    assert re.search(r"\[rank 1\] bar: 100%[^\r\n]*3/3", err), err
+    displays = [o for o in ran.outputs if o.get("output_type") == "display_data"]
+    # Rank 0's tqdm.auto: a widget where ipywidgets is installed, else a text bar of its stream,
+    # redrawn in place with \r.
+    if importlib.util.find_spec("ipywidgets") is not None:
+        assert any("application/vnd.jupyter.widget-view+json" in o["data"] for o in displays), ran.outputs
+    else:
+        assert re.search(r"(?:^|[\r\n])bar: 100%[^\r\n]*3/3", err), err
+    # Rank 1's bar (text: no notebook there) is a live line of the cell, labelled, at its final state.
+    texts = [o["data"].get("text/plain", "") for o in displays]
+    assert any(re.fullmatch(r"\[rank 1\] bar: 100%[^\r\n]*3/3.*", t) for t in texts), ran.outputs
 
 
 def test_interrupt_stops_every_rank_and_the_kernel_stays_usable(tmp_path):

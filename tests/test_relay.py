@@ -8,6 +8,7 @@ child: a worker that prints, warns or logs must never block.
 from __future__ import annotations
 
 import io
+import re
 import sys
 
 import pytest
@@ -64,3 +65,69 @@ def test_rank_0_dataloader_workers_that_print_never_hang(notebook):
     cells = notebook([PRELUDE, CHATTY_LOADER] + ["print(ranch(2, load))"] * 30, timeout=60)
     for cell in cells[2:]:
         assert nbutil.stream_text(cell).splitlines()[-1] == "[20, 0]"
+
+
+TWO_BARS = '''
+from tqdm import tqdm
+
+def two_bars(n):
+    rank = int(os.environ["RANK"])
+    print(f"rank {rank} starts")
+    for i in tqdm(range(n), desc=f"bar of rank {rank}", mininterval=0):
+        time.sleep(0.01)
+    print(f"rank {rank} done")
+    return rank
+'''
+
+
+def _displays(cell) -> list:
+    return [o for o in cell.outputs if o.get("output_type") == "display_data"]
+
+
+def test_two_ranks_bars_each_end_as_one_line_with_100_percent(notebook):
+    # Before: rank 1's redraws went to the same stderr stream as rank 0's, each labelled and
+    # cut by newlines, so rank 0's bar was split over several lines and the two garbled.
+    cells = notebook([PRELUDE, TWO_BARS, "print(ranch(2, two_bars, 40))"])
+    cell = cells[2]
+    out, err = nbutil.stream_text(cell), nbutil.stream_text(cell, "stderr")
+    # Plain output as ever: labelled lines for rank 1, the notebook's own for rank 0.
+    assert [ln for ln in out.splitlines()] == \
+        ["rank 0 starts", "[rank 1] rank 1 starts", "rank 0 done", "[rank 1] rank 1 done", "[0, 1]"] or \
+        sorted(out.splitlines()) == sorted(
+            ["rank 0 starts", "[rank 1] rank 1 starts", "rank 0 done", "[rank 1] rank 1 done", "[0, 1]"]), out
+    # Rank 1's bar: one live display line, left at its final state, labelled.
+    bars = [d for d in _displays(cell) if "bar of rank 1" in d["data"].get("text/plain", "")]
+    assert len(bars) == 1, cell.outputs
+    assert re.fullmatch(r"\[rank 1\] bar of rank 1: 100%\|.*\| 40/40 .*", bars[0]["data"]["text/plain"]), bars
+    assert "rank 1" not in err, err  # none of its redraws in the stream
+    # Rank 0's bar: the notebook's own, redrawn in place on one line of its stream, never cut.
+    lines = [ln for ln in err.split("\n") if "bar of rank 0" in ln]
+    assert len(lines) == 1, err
+    assert re.search(r"\rbar of rank 0: 100%\|[^\r]*40/40[^\r]*$", lines[0]), lines
+
+
+def test_a_bare_carriage_return_makes_no_empty_line(notebook):
+    cells = notebook([PRELUDE, "def cr():\n    print('\\rhello')\n    print('\\r', end='')\n    return 1\n",
+                      "print(ranch(2, cr))"])
+    out = nbutil.stream_text(cells[2])
+    assert "[rank 1] \n" not in out and "[rank 1] \r" not in out, out
+    shown = nbutil.all_text(cells[2])
+    assert "[rank 1] hello" in shown, cells[2].outputs
+
+
+def test_bars_of_other_ranks_are_labelled_lines_at_a_bounded_rate_outside_jupyter(capsys):
+    # A terminal (or a log file) cannot redraw several lines: each rank's bar is printed as a
+    # labelled line at most every 2 s, and its final state; never a raw \r of another rank.
+    import mpify_nb
+
+    buf = io.StringIO()
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(sys, "stdout", buf)
+        m.setattr(sys, "stderr", buf)
+        assert mpify_nb.ranch(2, hr.tqdm_bar, 60, 0.05, caller_rank=None) == [60, 60]
+    lines = buf.getvalue().split("\n")
+    for rank in (0, 1):
+        mine = [ln for ln in lines if ln.startswith(f"[rank {rank}] ")]
+        assert all("\r" not in ln for ln in mine), mine
+        assert re.search(r"bar: 100%\|.*60/60", mine[-1]), mine
+        assert 2 <= len(mine) <= 4, mine  # ~3 s of bar: 1 or 2 timed states, and the final one

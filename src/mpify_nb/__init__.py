@@ -13,6 +13,7 @@ session.py      Session: persistent ranks across calls (session_rank.py: their s
 payload.py      packing the call and the results (dill, shared-memory tensors)
 placement.py    where a rank starts (the seam): template fork or fresh spawn
 template.py     the warm process ranks are forked from
+preload.py      what the template comes to hold: the modules ranks need
 rank.py         what a rank does from birth to exit
 relay.py        where ranks' output is relayed into the cell
 errors.py       where errors come back: RankError and the remote traceback
@@ -31,6 +32,7 @@ from .errors import PayloadError, RankError, RankExitedError, RankRaisedError
 from .imports import import_star
 from .launcher import ranch
 from .placement import get_start_method, set_start_method
+from .preload import set_preload
 from .session import RankStatus, Session
 
 __version__ = "0.1.0"
@@ -49,6 +51,7 @@ __all__ = [
     "PayloadError",
     "set_start_method",
     "get_start_method",
+    "set_preload",
 ]
 
 

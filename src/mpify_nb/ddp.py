@@ -18,7 +18,9 @@ Outside ``ranch`` it is the usual ``env://`` rendezvous.
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any, Callable, Optional, Union
 
@@ -176,6 +178,67 @@ class TorchDDPCtx:
             import torch
 
             torch.cuda.set_device(previous)
+
+
+ENDED_GROUP_MESSAGE = (
+    "this DistributedDataParallel model was made on the process group of a ranch call (or a %%ranch --ddp "
+    "cell) that has ended: that group ended with the call and its other ranks are gone, so the model "
+    "cannot run its collectives here. Use its .module (the trained model itself, e.g. model.module(x)), "
+    "or wrap it in DistributedDataParallel again inside a new call."
+)
+
+
+def disarm_ended_ddp(roots: Sequence[Any]) -> int:
+    """After a call whose process group ended: make each DistributedDataParallel model found in
+    ``roots`` (and one level inside them: containers, attributes) fail at once with a clear
+    RuntimeError when used, instead of gloo's "Connection closed by peer" (or a hang) when it
+    tries to talk to ranks that are gone. Returns how many were found."""
+    torch = sys.modules.get("torch")
+    parallel = sys.modules.get("torch.nn.parallel")
+    if torch is None or parallel is None:
+        return 0
+    ddp_type = parallel.DistributedDataParallel
+    found = 0
+    seen: set[int] = set()
+    for obj in _one_level_down(roots):
+        if issubclass(type(obj), ddp_type) and id(obj) not in seen:
+            seen.add(id(obj))
+            if not getattr(obj, "_mpify_group_ended", False):
+                obj._mpify_group_ended = True
+                obj.register_forward_pre_hook(_refuse_ended_group)
+            found += 1
+    return found
+
+
+def _refuse_ended_group(module, args) -> None:
+    raise RuntimeError(ENDED_GROUP_MESSAGE)
+
+
+def _one_level_down(roots: Sequence[Any]):
+    """``roots``, and what they hold one level down: items of lists, tuples, sets and dicts, and
+    attributes of objects whose class the notebook defined (a trainer of its own). By type only:
+    no attribute of a library object is read (some warn, or do work, when touched)."""
+    for root in roots:
+        yield root
+        for child in _held_by(root):
+            yield child
+            if type(child) in (list, tuple, dict):  # e.g. {"model": ddp} or [ddp, opt]
+                yield from _held_by(child)
+
+
+def _held_by(obj: Any) -> list:
+    kind = type(obj)
+    if kind is dict:
+        return list(itertools.islice(obj.values(), 10000))  # a million-item list is not worth a look
+    if kind in (list, tuple, set):
+        return list(itertools.islice(obj, 10000))
+    if kind.__module__ == "__main__" and not isinstance(obj, type):
+        try:
+            attributes = object.__getattribute__(obj, "__dict__")
+        except AttributeError:
+            return []
+        return list(itertools.islice(attributes.values(), 10000)) if type(attributes) is dict else []
+    return []
 
 
 def group_count() -> Optional[int]:

@@ -37,7 +37,7 @@ import time
 import weakref
 from typing import Any, Callable, Optional
 
-from . import ddp, interrupts, libraries, payload, placement, wire
+from . import ddp, interrupts, libraries, payload, placement, preload, template, wire
 from . import rank as rank_module
 from .errors import PayloadError, RankError, RankExitedError, RemoteFailure, safe_str
 from .relay import OutputRelay
@@ -251,6 +251,7 @@ class _Call:
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.timeout = timeout
         self.ranks: dict[int, _Rank] = {}
+        self.imported: list[tuple[str, Optional[str]]] = []  # modules the ranks imported (preload.py)
         self.failure: Optional[BaseException] = None
         self.cond = threading.Condition()
         self.selector = selectors.DefaultSelector()
@@ -339,6 +340,8 @@ class _Call:
                 os.close(self.wake_r)
                 os.close(self.wake_w)
             state.restore()
+            state.disarm_ended_ddp(values)
+            self._learn_imports()
 
     def _world_env(self) -> dict:
         store_rank = next((r for r in range(self.nprocs) if r != self.caller_rank), 0)
@@ -456,6 +459,11 @@ class _Call:
         kind, body = data[:1], data[1:]
         if kind == rank_module.READY:
             handle.ready = True
+        elif kind == rank_module.IMPORTED:
+            try:
+                self.imported.extend(pickle.loads(body))
+            except Exception:
+                pass
         elif kind == rank_module.VALUE:
             handle.done = True
             try:
@@ -643,6 +651,16 @@ class _Call:
 
     # -- ending --------------------------------------------------------------------------
 
+    def _learn_imports(self) -> None:
+        """Let the template come to hold what the ranks imported (in the background; see preload.py)."""
+        if not self.ranks or placement.get_start_method() != "template":
+            return
+        try:
+            cwd = os.getcwd()
+        except OSError:
+            return
+        template.in_background(_learn, self.imported, cwd)
+
     def _raise_failure(self) -> None:
         if self.interrupted:
             raise KeyboardInterrupt
@@ -672,6 +690,15 @@ class _Call:
             except OSError:
                 pass
             handle.close()
+
+
+def _learn(imported: list, cwd: str) -> None:
+    """In the background: the call has returned, and this never makes it wait."""
+    try:
+        preload.learn(imported, cwd)
+        template.refresh(cwd)
+    except Exception:
+        pass  # only a speed-up is lost
 
 
 class _CallerState:
@@ -710,6 +737,20 @@ class _CallerState:
         self.group_count = ddp.group_count() if torch is not None else None
         self.libraries = libraries.LibraryState.snapshot()
         return self
+
+    def disarm_ended_ddp(self, values: list) -> None:
+        """A DDP model made on the group this call ended, left in the notebook (a %%ranch --ddp
+        cell's variable, or the caller's return value), must say so when used (see ddp.py)."""
+        if self.environ is None or self.dist_was_up:
+            return
+        torch = sys.modules.get("torch")
+        try:
+            if torch is None or torch.distributed.is_initialized():
+                return  # the function left a group up: its models still work
+            main = sys.modules.get("__main__")
+            ddp.disarm_ended_ddp([values, *(vars(main).values() if main is not None else ())])
+        except Exception:
+            pass  # only a clearer error is lost
 
     def restore(self) -> None:
         if self.environ is None:

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import ctypes
 import io
+import linecache
 import os
 import sys
 import threading
+import types
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
@@ -323,7 +325,7 @@ def pack_call(
         except SyntaxError as e:
             raise PayloadError(f"imports= is not valid Python: {e}") from None
     needed = _needed_globals(need)
-    call = (fn, args, kwargs, ctx, needed, imports)
+    call = (fn, args, kwargs, ctx, needed, imports, cell_sources(fn))
     try:
         data, fds = dumps(call)
     except Exception as e:
@@ -332,7 +334,56 @@ def pack_call(
 
 
 def unpack_call(data, fds) -> tuple[Callable, tuple, dict, Any, dict, str]:
-    return loads(data, fds, private=True)
+    *call, sources = loads(data, fds, private=True)
+    for filename, lines in sources.items():  # a warning's or traceback's source line, as in the notebook
+        linecache.cache.setdefault(filename, (sum(map(len, lines)), None, lines, filename))
+    return tuple(call)  # type: ignore[return-value]
+
+
+def cell_sources(fn: Callable) -> dict[str, list[str]]:
+    """The source lines of the notebook cells ``fn`` (and the notebook functions and classes it
+    reaches) was defined in. They exist only in this process's linecache (no file on disk), so a
+    rank's warnings and tracebacks would otherwise show no source line."""
+    files: set[str] = set()
+    seen: set[int] = set()
+    stack: list[Any] = [fn]
+    while stack and len(seen) < 1000:
+        obj = stack.pop()
+        obj = getattr(obj, "__func__", getattr(obj, "func", obj))  # bound methods, partials
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, type):
+            if obj.__module__ == "__main__":
+                stack.extend(vars(obj).values())
+            continue
+        code = getattr(obj, "__code__", None)
+        if not isinstance(code, types.CodeType):
+            continue
+        codes = [code]
+        while codes:
+            c = codes.pop()
+            files.add(c.co_filename)
+            codes.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+        if getattr(obj, "__module__", None) == "__main__":
+            glob = getattr(obj, "__globals__", {})
+            stack.extend(glob[name] for name in code.co_names if name in glob)
+            stack.extend(cell.cell_contents for cell in (getattr(obj, "__closure__", None) or ())
+                         if _filled(cell))
+    sources = {}
+    for filename in files:
+        entry = linecache.cache.get(filename)
+        if entry is not None and len(entry) == 4 and entry[1] is None and not os.path.exists(filename):
+            sources[filename] = list(entry[2])
+    return sources
+
+
+def _filled(cell) -> bool:
+    try:
+        _ = cell.cell_contents
+    except ValueError:
+        return False
+    return True
 
 
 def _needed_globals(need: str) -> dict:

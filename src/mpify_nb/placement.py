@@ -117,13 +117,6 @@ class _ForkedRank(_Pidfd):
             self._code = self._client.exit_code(self.pid, timeout)
         return self._code
 
-    def hold(self) -> None:
-        """This rank is persistent (a Session's): its template must outlive a template restart."""
-        self._client.hold()
-
-    def release(self) -> None:
-        self._client.release()
-
     def death_detail(self) -> str:
         if self._client.alive():
             return ""

@@ -43,11 +43,16 @@ READY = b"R"
 GO = b"G"
 VALUE = b"V"
 ERROR = b"E"
+IMPORTED = b"M"  # the modules this rank imported (sent before VALUE or ERROR; see preload.py)
+
+#: The modules this rank was born with (the template's): what it imports beyond them is news.
+_born_with: set[str] = set()
 
 
 def main(channel_fd: int, expected_parent: int) -> None:
     """Run one rank to completion on the socket ``channel_fd``; never returns."""
     _die_with_parent(expected_parent)
+    _born_with.update(sys.modules)
     # Whatever the user's code starts (subprocesses, DataLoader workers, daemons that fork
     # twice) stays below this process: orphans are re-parented to us, not to init, so
     # _exit() finds and kills them all. A process group of its own lets the caller kill
@@ -115,6 +120,7 @@ def main(channel_fd: int, expected_parent: int) -> None:
         _send_failure(channel, e, f"the value returned by rank {rank} ({type(value).__name__}) cannot be pickled")
         _exit(0)
     _flush_stdio()  # everything printed reaches the caller before the value does
+    _report_imports(channel)
     try:
         wire.send(channel, VALUE + data, fds)
     except OSError:
@@ -170,10 +176,22 @@ def _send_failure(channel, exc: BaseException, context: str = "") -> None:
             exc = wrapped
     failure = RemoteFailure.capture(exc, lambda e: payload.dumps(e)[0])
     _flush_stdio()
+    _report_imports(channel)
     try:
         wire.send(channel, ERROR + pickle.dumps(failure))
     except OSError:
         pass
+
+
+def _report_imports(channel) -> None:
+    """Tell the caller which modules this call imported here, so a later template can hold them."""
+    try:
+        news = [(name, getattr(module, "__file__", None)) for name, module in list(sys.modules.items())
+                if name not in _born_with and module is not None]
+        if news:
+            wire.send(channel, IMPORTED + pickle.dumps(news))
+    except Exception:
+        pass  # only a speed-up is lost
 
 
 def _watch_caller(channel: socket.socket) -> None:

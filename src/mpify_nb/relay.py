@@ -6,7 +6,7 @@ caller's own ``sys.stdout``/``sys.stderr``, each line prefixed with its rank::
 
     [rank 1] epoch 0 loss 0.731
 
-A line ends at ``\\n`` or ``\\r`` (so progress bars redraw in place). A partial
+A line ends at ``\\n`` (or ``\\r``: see bars below). A partial
 line (``print("working...", end="", flush=True)``) is shown once it has waited
 ``_PARTIAL_WAIT`` seconds for its end, and its end then continues it on the same
 line, unless another rank (or the caller) wrote meanwhile: then a newline closes
@@ -14,8 +14,22 @@ the open line first and the rest comes on a new, labelled one. So output is live
 and lines of different ranks never interleave mid-line. The pipes are always
 drained, so a rank can never block on a full pipe, and nothing is lost at exit.
 
+A carriage-return line (tqdm's bar, Lightning's, ``print(..., end="\\r")``) is a
+*bar*: its redraws would garble the lines of other ranks, so it is not written to
+the stream. Each rank's bar is one live line of the cell instead::
+
+    rank 1 pipe:  "\\rbar  3%" "\\rbar 50%" ... "\\rbar 100%" "\\n"
+        relay:    _Bar(text) --- Jupyter: display(..., display_id) then update_display
+                                 at most 10/s, left at its final state
+                             --- elsewhere (terminal, file): "[rank 1] bar 50%\\n" at
+                                 most every 2 s, and its final state
+
+A bare leading ``\\r`` (tqdm starts every redraw with one) shows nothing by itself.
+The caller's own bar (rank 0) is the notebook's own output and is left alone: in
+Jupyter its stream redraws in place, or tqdm.auto shows a widget.
+
 The thread runs in a copy of the caller's ``contextvars`` context: ipykernel
-uses one to route output to the cell that started the call.
+uses one to route output (streams and displays) to the cell that started the call.
 
 A :class:`~mpify_nb.Session` (persistent ranks) uses the same line assembly without
 the thread: its ranks' pipes outlive every call, so it ``adopt``-s their read ends
@@ -34,12 +48,46 @@ import sys
 import threading
 import time
 import weakref
-from typing import Optional, TextIO
+from typing import Any, Optional, TextIO
 
 _CHUNK = 1 << 16
 _MID_LINE_WAIT = 0.5
 _PARTIAL_WAIT = 0.1  # how long a partial line waits for its end before it is shown
 _LINE = re.compile(r"[^\r\n]*(?:\r\n|\n|\r)")
+_LINE_BYTES = re.compile(rb"[^\r\n]*(?:\r\n|\n|\r)")
+_BAR_INTERVAL = 0.1  # a bar's live line in Jupyter is redrawn at most 10 times a second
+_BAR_TEXT_INTERVAL = 2.0  # elsewhere each redraw is a new line: one every 2 s (and the final one)
+
+
+class _Bar:
+    """One rank's carriage-return line (a tqdm or Lightning bar, a ``\\r`` print) while it is drawn.
+    In Jupyter it is one display output per bar, updated in place (update_display_data), which
+    stays with its final state; elsewhere a labelled line every 2 s, and the final state."""
+
+    def __init__(self, started: float) -> None:
+        self.started = started
+        self.text = ""  # its state now
+        self.shown: Optional[str] = None  # the state last shown (None: never)
+        self.last_shown: Optional[float] = None
+        self.handle: Any = None  # the Jupyter display handle, once shown
+
+    def due(self, jupyter: bool) -> float:
+        """When its next state may be shown."""
+        if jupyter:
+            return 0.0 if self.last_shown is None else self.last_shown + _BAR_INTERVAL
+        return (self.started if self.last_shown is None else self.last_shown) + _BAR_TEXT_INTERVAL
+
+
+def _notebook_display(stream: TextIO):
+    """IPython's ``display`` when ``stream`` is a Jupyter kernel's output stream, else None."""
+    if not type(stream).__module__.startswith("ipykernel."):
+        return None
+    try:
+        from IPython.core.getipython import get_ipython
+        from IPython.display import display
+    except ImportError:
+        return None
+    return display if get_ipython() is not None else None
 
 
 class _LineTracker:
@@ -111,6 +159,8 @@ class OutputRelay:
         self._partial_since: dict[int, float] = {}  # fd -> when its pending partial line began
         self._where: dict[int, tuple[int, int]] = {}  # fd -> (rank, stream)
         self._adopted: set[int] = set()  # read ends the caller owns (a Session's): never closed here
+        self._bars: dict[int, _Bar] = {}  # fd -> the bar line it is drawing now
+        self._display = _notebook_display(stdout)  # None: a terminal or a file, bars as text lines
         self._open_line: list[Optional[int]] = [None, None]  # per stream: the fd whose line is open
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -225,19 +275,111 @@ class OutputRelay:
         cut = max(buf.rfind(b"\n"), buf.rfind(b"\r")) + 1
         self._pending[fd] = buf[cut:]
         if cut:
-            self._write(fd, where, buf[:cut])
-        if not self._pending[fd]:
+            self._lines(fd, where, buf[:cut])
+        bar = self._bars.get(fd)
+        if bar is not None:
+            # A bar's text comes after its \r (tqdm writes "\r" + bar): what is here is its state now.
+            self._partial_since.pop(fd, None)
+            shown = _whole_characters(self._pending[fd])
+            if shown.strip():
+                bar.text = shown.decode("utf-8", errors="replace")
+            self._show_bar(fd, where, bar)
+        elif not self._pending[fd]:
             self._partial_since.pop(fd, None)
         elif cut or fd not in self._partial_since:
             self._partial_since[fd] = time.monotonic()
 
+    def _lines(self, fd: int, where: tuple[int, int], data: bytes) -> None:
+        """Whole lines from ``fd``: plain ones are written out labelled; a line with a carriage
+        return in it (a progress bar) becomes a live bar line (see _Bar) until its newline."""
+        plain: list[bytes] = []
+        for line in _LINE_BYTES.findall(data):
+            is_bar_step = line.endswith(b"\r")
+            bar = self._bars.get(fd)
+            if bar is None and not is_bar_step:
+                plain.append(line)
+                continue
+            if plain:
+                self._write(fd, where, b"".join(plain))
+                plain = []
+            if bar is None:
+                bar = self._start_bar(fd, where)
+            body = line.rstrip(b"\r\n").decode("utf-8", errors="replace")
+            if body.strip():
+                bar.text = body
+            elif not is_bar_step or body:
+                bar.text = ""  # cleared (tqdm leave=False): nothing left to show
+            if not is_bar_step:  # its newline: the line is done, its last state stays
+                self._end_bar(fd, where)
+        if plain:
+            self._write(fd, where, b"".join(plain))
+
+    # -- progress bars: a rank's carriage-return line, shown as one live line ------------------
+
+    def _start_bar(self, fd: int, where: tuple[int, int]) -> _Bar:
+        stream = where[1]
+        if self._open_line[stream] == fd and self._trackers[stream].rank_line_open:
+            self._write(fd, where, b"\n")  # its partial line, shown already, ends where it is
+        bar = self._bars[fd] = _Bar(time.monotonic())
+        return bar
+
+    def _show_bar(self, fd: int, where: tuple[int, int], bar: _Bar, final: bool = False) -> None:
+        """Show the bar's state if it changed, at most every ``_BAR_INTERVAL`` (Jupyter) or
+        ``_BAR_TEXT_INTERVAL`` (text: a new labelled line each time) seconds; always its final state."""
+        if bar.text == bar.shown:
+            return
+        now = time.monotonic()
+        if not final and now < bar.due(self._display is not None):
+            return
+        label = f"[rank {where[0]}] "
+        if self._display is None:
+            if bar.text:
+                self._write(fd, where, (bar.text + "\n").encode())
+        else:
+            bundle = {"text/plain": label + bar.text}
+            try:
+                if bar.handle is None:
+                    if not bar.text:
+                        return  # a bare "\r", or a bar cleared before it was shown: no empty line
+                    self._flush_targets()  # what the ranks wrote before the bar stays above it
+                    bar.handle = self._display(bundle, raw=True, display_id=True)
+                else:
+                    bar.handle.update(bundle, raw=True)
+            except Exception:
+                pass  # a broken display must not kill the relay (ranks would block)
+        bar.shown = bar.text
+        bar.last_shown = now
+
+    def _end_bar(self, fd: int, where: tuple[int, int]) -> None:
+        bar = self._bars.pop(fd, None)
+        if bar is not None:
+            self._show_bar(fd, where, bar, final=True)
+
+    def _show_due_bars(self) -> None:
+        for fd, bar in list(self._bars.items()):
+            key = self._selector.get_map().get(fd)
+            if key is not None:
+                self._show_bar(fd, key.data, bar)
+
+    def _flush_targets(self) -> None:
+        for target in self._targets:
+            try:
+                target.flush()
+            except Exception:
+                pass
+
     def _partial_wait(self) -> Optional[float]:
-        """Seconds until the oldest pending partial line is due to be shown (None: none)."""
-        if not self._partial_since:
+        """Seconds until the oldest pending partial line, or a bar's new state, is due to be
+        shown (None: none)."""
+        due = [since + _PARTIAL_WAIT for since in self._partial_since.values()]
+        jupyter = self._display is not None
+        due += [bar.due(jupyter) for bar in self._bars.values() if bar.text != bar.shown]
+        if not due:
             return None
-        return max(0.0, min(self._partial_since.values()) + _PARTIAL_WAIT - time.monotonic())
+        return max(0.0, min(due) - time.monotonic())
 
     def _show_partials(self) -> None:
+        self._show_due_bars()
         now = time.monotonic()
         for fd, since in list(self._partial_since.items()):
             if now - since < _PARTIAL_WAIT:
@@ -255,6 +397,11 @@ class OutputRelay:
         rest = self._pending.pop(fd, b"")
         self._partial_since.pop(fd, None)
         self._where.pop(fd, None)
+        if fd in self._bars:  # the rank ended on a bar line: its last state is its final one
+            if rest.strip():
+                self._bars[fd].text = rest.decode("utf-8", errors="replace")
+            self._end_bar(fd, where)
+            rest = b""
         if rest or self._open_line[where[1]] == fd:
             self._write(fd, where, rest + b"\n")
         if fd in self._adopted:
@@ -281,6 +428,7 @@ class OutputRelay:
         with self._lock:
             self._targets = (stdout, stderr)
             self._trackers = (_LineTracker(stdout, self._cond), _LineTracker(stderr, self._cond))
+            self._display = _notebook_display(stdout)
 
     def pump(self, fd: int) -> bool:
         """Relay what adopted ``fd`` has now; False once it reached end of file (its rank is

@@ -424,9 +424,6 @@ class Session:
             theirs.close()
             os.close(out_w)
             os.close(err_w)
-        hold = getattr(process, "hold", None)
-        if hold is not None:
-            hold()  # a template restarted meanwhile (environment changed) must not take it along
         m = _Member(r, ours, control_ours, process, out_r, err_r)
         m.control_theirs = control_theirs  # sent with the setup
         self._members[r] = m
@@ -495,9 +492,6 @@ class Session:
         os.close(m.out_r)
         os.close(m.err_r)
         m.process.close()
-        release = getattr(m.process, "release", None)
-        if release is not None:
-            release()
         m.state = "dead"
 
     # -- one call ----------------------------------------------------------------------

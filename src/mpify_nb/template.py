@@ -21,6 +21,19 @@ The caller's environment, working directory and sys.path are applied by the rank
 itself from the call's setup message, so they are those of each call. The
 template is restarted when it died or when a variable that matters at import
 time (PYTHONPATH, LD_PRELOAD, thread counts...) changed since it started.
+
+Preloading (what to preload: preload.py). The first message a template gets names
+modules to import before it serves forks. After a call, if the ranks or the notebook
+imported modules the current template lacks, a *candidate* template is started with
+all of them; the current one keeps serving meanwhile::
+
+    refresh()  -- lacks? (HAS names) ------------> current template: [names it holds]
+               -- new TemplateClient(wanted) ----> candidate: import one by one
+                                                   ("trying" name, ... READY failed)
+    get_template(): candidate READY  -> it becomes the template; the old one retires
+                                        (ends once its last rank has exited)
+                    candidate rejected (CUDA, thread) or died -> the module is
+                                        remembered as failed; refresh() again
 """
 
 from __future__ import annotations
@@ -35,11 +48,12 @@ import subprocess
 import sys
 import threading
 import time
-from typing import NoReturn, Optional
+from collections.abc import Sequence
+from typing import Any, Callable, NoReturn, Optional
 
-from . import wire
+from . import preload, wire
 
-_FORK, _FORKED, _EXITED, _READY = "fork", "forked", "exited", "ready"
+_FORK, _FORKED, _EXITED, _READY, _HAS = "fork", "forked", "exited", "ready", "has"
 
 #: Environment variables read when torch & co are imported: a change means a new template.
 IMPORT_TIME_ENV = (
@@ -64,6 +78,9 @@ def serve(control_fd: int) -> None:
     from . import rank  # imported now so each fork has it for free
 
     rank.set_process_name("mpify_nb-tmpl")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the caller decides when ranks stop
+    control = socket.socket(fileno=control_fd)
+    failed = _preload(control)
     # A rank killed before it could clean up leaves its children to us, not to init:
     # _reap() then kills them (see rank.kill_descendants).
     rank.become_subreaper()
@@ -72,11 +89,9 @@ def serve(control_fd: int) -> None:
     gc.collect()
     gc.freeze()
 
-    control = socket.socket(fileno=control_fd)
     child_r, child_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(child_w, warn_on_full_buffer=False)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler is needed for the wakeup fd to fire
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the caller decides when ranks stop
 
     children: set[int] = set()
 
@@ -90,7 +105,7 @@ def serve(control_fd: int) -> None:
         except OSError:
             caller_gone()
 
-    reply(_READY, os.getpid())
+    reply(_READY, os.getpid(), failed)
     selector = selectors.DefaultSelector()
     selector.register(control, selectors.EVENT_READ, "control")
     selector.register(child_r, selectors.EVENT_READ, "child")
@@ -114,7 +129,10 @@ def serve(control_fd: int) -> None:
             if message is None:
                 caller_gone()
             data, fds = message
-            kind, request_id = pickle.loads(data)
+            kind, request_id, *rest = pickle.loads(data)
+            if kind == _HAS:  # which of these modules do we hold? (no import: a fork may be next)
+                reply(_HAS, request_id, [name for name in rest[0] if name in sys.modules])
+                continue
             pid = os.fork()
             if pid == 0:
                 _become_rank(fds, control, child_r, child_w)
@@ -122,6 +140,61 @@ def serve(control_fd: int) -> None:
                 os.close(fd)
             children.add(pid)
             reply(_FORKED, request_id, pid)
+
+
+def _preload(control: socket.socket) -> dict[str, str]:
+    """Import the modules the caller asks for (its first message), one by one; return those that
+    failed, with why. A module that initializes CUDA or starts a Python thread would make every
+    fork of us unsafe: we report it and leave, and the caller starts over without it."""
+    import importlib
+
+    message = wire.recv(control)
+    if message is None:
+        os._exit(0)
+    _kind, names, paths = pickle.loads(message[0])
+    if not names:
+        return {}
+    sys.path.extend(p for p in paths if p not in sys.path)  # the caller's site-packages
+    torch = sys.modules.get("torch")
+    failed: dict[str, str] = {}
+    # What a module prints or warns at import would land in whichever cell runs now (ipykernel
+    # captures fds 1 and 2): a rank that imported it would have shown it in its own call.
+    saved = [os.dup(1), os.dup(2)]
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # is_available() without cuInit
+    try:
+        for name in names:
+            if name in sys.modules:
+                continue
+            _tell(control, "trying", name)
+            try:
+                importlib.import_module(name)
+            except BaseException as e:  # SystemExit, KeyboardInterrupt too: skip it, go on
+                failed[name] = f"{type(e).__name__}: {e}"[:300]
+                continue
+            why = ""
+            if torch is not None and torch.cuda.is_initialized():
+                why = "it initializes CUDA at import"
+            elif threading.active_count() > 1:
+                why = "it starts a thread at import"
+            if why:
+                _tell(control, "rejected", name, why)
+                os._exit(0)
+    finally:
+        for fd, saved_fd in zip((1, 2), saved):
+            os.dup2(saved_fd, fd)
+            os.close(saved_fd)
+        os.close(devnull)
+    return failed
+
+
+def _tell(control: socket.socket, *message) -> None:
+    try:
+        wire.send(control, pickle.dumps(message))
+    except OSError:
+        os._exit(0)  # the caller no longer wants us (preloading was turned off, or it left)
 
 
 def _reap(reply, children: set[int]) -> None:
@@ -171,7 +244,7 @@ class TemplateUnresponsive(TemplateDied):
 class TemplateClient:
     """Starts a template process and asks it for ranks. Thread-safe."""
 
-    def __init__(self) -> None:
+    def __init__(self, preload: Sequence[str] = (), paths: Sequence[str] = ()) -> None:
         ours, theirs = wire.socketpair()
         self.env_signature = _env_signature()
         self._control = ours
@@ -191,23 +264,54 @@ class TemplateClient:
         self._dead = False
         self._next_id = 0
         self._forked: dict[int, int] = {}
-        self._held = 0  # live ranks of a Session forked from us: they must outlive a restart
         self._exited: dict[int, int] = {}
+        self.preload = list(preload)  # asked for; those that failed are in self.failed once ready
+        self.failed: dict[str, str] = {}
+        self.rejected: Optional[tuple[str, str]] = None  # (module, why) that made it unusable
+        self.trying: Optional[str] = None  # the module it was importing last
+        self._live: set[int] = set()  # ranks forked and not yet exited
+        self._held: set[str] = set()  # modules it was found to hold besides those it preloaded
+        self._has: dict[int, list[str]] = {}
+        self._retiring = False
+        try:
+            wire.send(self._control, pickle.dumps(("preload", self.preload, list(paths))))
+        except OSError:
+            pass  # it died at once: the reader sees it, and wait_ready() says so
         self._reader = threading.Thread(target=self._read_replies, name="mpify_nb-template-reader", daemon=True)
         self._reader.start()
 
-    def hold(self) -> None:
-        """A persistent rank (a Session's) forked from this template lives on: when the template
-        is replaced (the environment changed), keep this one running until it is released."""
-        with self._cond:
-            self._held += 1
+    @property
+    def ready(self) -> bool:
+        return self._ready and self.alive()
 
-    def release(self) -> None:
+    def holds(self) -> set[str]:
+        """The modules it is known to hold (once ready)."""
+        return (set(self.preload) - set(self.failed)) | self._held
+
+    def lacks(self, names: Sequence[str], timeout: float = 5.0) -> list[str]:
+        """Those of ``names`` it has not imported (all of them if it does not answer)."""
+        if not self.ready:
+            return list(names)
         with self._cond:
-            self._held -= 1
-            retire = self._held <= 0 and self in _retired
-        if retire:
-            _retired.remove(self)
+            request_id = self._next_id
+            self._next_id += 1
+        try:
+            with self._send_lock:
+                wire.send(self._control, pickle.dumps((_HAS, request_id, list(names))))
+        except OSError:
+            return list(names)
+        with self._cond:
+            self._cond.wait_for(lambda: request_id in self._has or self._dead, timeout)
+            found = self._has.pop(request_id, [])
+        self._held.update(found)
+        return [n for n in names if n not in self._held]
+
+    def retire(self) -> None:
+        """Stop it once the ranks it forked are gone (they die with it): now if there are none."""
+        with self._cond:
+            self._retiring = True
+            idle = not self._live
+        if idle:
             self.close()
 
     def alive(self) -> bool:
@@ -302,12 +406,24 @@ class TemplateClient:
                 reply = pickle.loads(message[0])
                 with self._cond:
                     if reply[0] == _READY:
+                        self.failed = reply[2]
                         self._ready = True
                     elif reply[0] == _FORKED:
                         self._forked[reply[1]] = reply[2]
+                        self._live.add(reply[2])
                     elif reply[0] == _EXITED:
                         self._exited[reply[1]] = reply[2]
+                        self._live.discard(reply[1])
+                    elif reply[0] == _HAS:
+                        self._has[reply[1]] = reply[2]
+                    elif reply[0] == "trying":
+                        self.trying = reply[1]
+                    elif reply[0] == "rejected":
+                        self.rejected = (reply[1], reply[2])
                     self._cond.notify_all()
+                    retire_now = self._retiring and not self._live and reply[0] == _EXITED
+                if retire_now:
+                    threading.Thread(target=self.close, name="mpify_nb-template-retire", daemon=True).start()
         except (OSError, EOFError):
             pass
         with self._cond:
@@ -318,22 +434,144 @@ class TemplateClient:
 
 _lock = threading.Lock()
 _client: Optional[TemplateClient] = None
-_retired: list[TemplateClient] = []  # replaced templates that still hold a Session's ranks
+_candidate: Optional[TemplateClient] = None  # a fresh template preloading in the background
 
 
 def get_template() -> TemplateClient:
-    """The current template, started (or restarted) as needed."""
+    """The current template, started (or restarted) as needed. A preloading template that
+    is ready by now takes over; one still importing is not waited for."""
     global _client
     with _lock:
+        _settle_candidate()
         if _client is not None and (not _client.alive() or _client.env_signature != _env_signature()):
-            if _client._held > 0 and _client.alive():
-                _retired.append(_client)  # a Session's ranks still live in it: close it after them
+            if _client.alive():
+                _client.retire()  # a Session's ranks live on in it: it ends when they do
             else:
                 _client.close()
             _client = None
         if _client is None:
-            _client = TemplateClient()
+            # Only what the user named: nothing learned is worth a wait. The rest comes in the background.
+            _client = TemplateClient(preload.named() if preload.enabled() else (), preload.site_paths())
         return _client
+
+
+def _settle_candidate() -> bool:
+    """With _lock held: swap in the candidate if it is ready; forget it (remembering the
+    module it failed on) if it died. True when it is settled (or there is none)."""
+    global _client, _candidate
+    c = _candidate
+    if c is None:
+        return True
+    if c.rejected is not None or (not c.alive() and not c._ready):
+        if c.rejected is not None:
+            preload.mark_failed(*c.rejected)
+        elif c.trying is not None:
+            preload.mark_failed(c.trying, "the template process died while importing it")
+        c.close()
+        _candidate = None
+        return True
+    if not c.ready:
+        return False
+    _candidate = None
+    for name, why in c.failed.items():
+        preload.mark_failed(name, why)
+    if c.env_signature != _env_signature() or not preload.enabled():
+        c.close()
+        return True
+    old, _client = _client, c
+    if old is not None:
+        old.retire()
+    return True
+
+
+def refresh(cwd: Optional[str] = None) -> None:
+    """Start, in the background, a template that holds every module the ranks are known to
+    need (see preload.py), unless the current one holds them all. Never waits for it."""
+    global _candidate
+    if not preload.enabled():
+        return
+    want = preload.wanted(cwd)
+    with _lock:
+        _settle_candidate()
+        if _candidate is not None or not want:
+            return  # one is on its way; once it is in, the next refresh adds what it lacks
+        current = _client
+        if current is None or not current.alive():
+            return  # the next call starts one (with the named modules); then we add the rest
+    held = current.holds()
+    missing = [n for n in want if n not in held]
+    if not missing or not current.lacks(missing):  # asked without _lock: a call may want a fork now
+        return
+    with _lock:
+        if _candidate is not None or current is not _client:
+            return  # someone else got there first
+        _candidate = TemplateClient(want, preload.site_paths())
+        candidate = _candidate
+    in_background(_watch_candidate, candidate, cwd)
+
+
+def _watch_candidate(candidate: TemplateClient, cwd: Optional[str]) -> None:
+    try:
+        candidate.wait_ready(timeout=_PRELOAD_PATIENCE)
+    except TemplateDied:
+        pass
+    global _candidate
+    with _lock:
+        if _candidate is candidate and not _settle_candidate():
+            candidate.close()  # stuck importing something (a network wait?): give up on it
+            if candidate.trying is not None:
+                preload.mark_failed(candidate.trying, f"its import took over {_PRELOAD_PATIENCE:.0f} s")
+            _candidate = None
+    refresh(cwd)  # what it failed on is left out now, and more may be wanted by now
+
+
+_busy = 0  # background work under way that may start or swap in a template (wait_preloaded waits for it)
+
+
+def in_background(work: Callable[..., None], *args: Any) -> None:
+    """Run ``work(*args)`` on a daemon thread; wait_preloaded() waits for it to end."""
+    global _busy
+
+    def run() -> None:
+        global _busy
+        try:
+            work(*args)
+        finally:
+            with _lock:
+                _busy -= 1
+
+    with _lock:
+        _busy += 1
+    threading.Thread(target=run, name="mpify_nb-preload", daemon=True).start()
+
+
+#: Seconds a preloading template may take before it is given up.
+_PRELOAD_PATIENCE = 600.0
+
+
+def wait_preloaded(timeout: Optional[float] = None) -> bool:
+    """Wait until no preloading template is on its way (it took over, or failed); True if so."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        with _lock:
+            settled = _settle_candidate() and not _busy
+        if settled:
+            return True
+        if deadline is not None and time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+
+
+def drop_preloaded() -> None:
+    """Preloading was turned off: stop a candidate, and retire a template that holds more than torch."""
+    global _client, _candidate
+    with _lock:
+        if _candidate is not None:
+            _candidate.close()
+            _candidate = None
+        if _client is not None and _client.holds():
+            _client.retire()
+            _client = None
 
 
 def prewarm() -> None:
@@ -351,8 +589,11 @@ def current_pid() -> Optional[int]:
 
 
 def shutdown() -> None:
-    global _client
+    global _client, _candidate
     with _lock:
+        if _candidate is not None:
+            _candidate.close()
+            _candidate = None
         if _client is not None:
             _client.close()
             _client = None

@@ -1,0 +1,147 @@
+"""Preloading (issue 9 point 5): the template comes to hold the installed modules ranks need.
+
+Calls run with ``caller_rank=None`` where a module must reach the template only through what
+a *rank* imported (the caller's own imports count as the notebook's). Each test starts and
+ends with a fresh template and a blank preload memory.
+"""
+
+from __future__ import annotations
+
+import sys
+import uuid
+
+import pytest
+
+import helpers_ranks as hr
+import mpify_nb
+from mpify_nb import preload, template
+
+# Standard-library modules that neither torch nor numpy import (the base template lacks them).
+POOL = ["colorsys", "wave", "netrc", "tabnanny", "sched", "pyclbr", "filecmp", "graphlib", "poplib", "ftplib"]
+
+
+def unused(k: int) -> list[str]:
+    """``k`` of them this process has not imported either (so only a rank's import can teach them)."""
+    names = [name for name in POOL if name not in sys.modules][:k]
+    assert len(names) == k, "this process imported most of the pool: add more names"
+    return names
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    def reset():
+        template.wait_preloaded(timeout=120)  # what the last call set going in the background
+        template.shutdown()
+        preload._learned.clear()
+        preload._failed.clear()
+        preload._named.clear()
+        preload._enabled = True
+
+    reset()
+    yield
+    reset()
+
+
+def held_at_start(names: list) -> list[dict]:
+    return mpify_nb.ranch(2, hr.modules_then_import, names, caller_rank=None)
+
+
+def test_base_template_lacks_the_pool():
+    assert held_at_start(POOL) == [dict.fromkeys(POOL, False)] * 2
+
+
+def test_a_module_a_rank_imported_in_call_1_is_in_the_rank_of_call_3():
+    [mod] = unused(1)
+    assert held_at_start([mod]) == [{mod: False}] * 2  # call 1: imported by the ranks
+    assert template.wait_preloaded(timeout=120)
+    held_at_start([])  # call 2
+    assert held_at_start([mod]) == [{mod: True}] * 2  # call 3: there before fn began
+    assert mod in template.get_template().holds()
+
+
+def test_working_directory_modules_are_never_preloaded(tmp_path, monkeypatch):
+    name = f"mpify_cwd_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text("VALUE = 1\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    __import__(name)  # the notebook imported it too
+    [mod] = unused(1)
+    try:
+        held_at_start([name, mod])
+        assert template.wait_preloaded(timeout=120)
+        held_at_start([])
+        # The stdlib module was preloaded (so a preloading template did come), the user's own was not.
+        assert held_at_start([name, mod]) == [{name: False, mod: True}] * 2
+    finally:
+        sys.modules.pop(name, None)
+
+
+def test_set_preload_false_turns_it_off():
+    first, second = unused(2)
+    held_at_start([first])
+    assert template.wait_preloaded(timeout=120)
+    assert held_at_start([first]) == [{first: True}] * 2
+    mpify_nb.set_preload(False)  # the next call starts from a template holding torch only
+    assert held_at_start([first, second]) == [{first: False, second: False}] * 2
+    assert template.wait_preloaded(timeout=120)
+    held_at_start([])
+    assert held_at_start([first, second]) == [{first: False, second: False}] * 2
+
+
+def test_named_modules_are_preloaded_before_any_rank_imports_them():
+    [mod] = unused(1)
+    held_at_start([])
+    mpify_nb.set_preload([mod])
+    assert template.wait_preloaded(timeout=120)
+    assert held_at_start([mod]) == [{mod: True}] * 2
+
+
+def test_a_module_that_fails_in_the_template_is_skipped_and_remembered(tmp_path, monkeypatch):
+    # Installed (under a site-packages directory) and fine in a rank, but it raises where
+    # RANK is not set: in the template.
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    name = f"mpify_broken_{uuid.uuid4().hex[:8]}"
+    (site / f"{name}.py").write_text(
+        "import os\nif 'RANK' not in os.environ:\n    raise RuntimeError('only in a rank')\n")
+    monkeypatch.syspath_prepend(str(site))
+    [mod] = unused(1)
+    held_at_start([name, mod])
+    assert template.wait_preloaded(timeout=120)
+    held_at_start([])
+    # The template works, holds the stdlib module, and left the broken one out.
+    assert held_at_start([name, mod]) == [{name: False, mod: True}] * 2
+    assert "only in a rank" in preload.failed()[name]
+    template.refresh()  # remembered: no new template is started for it
+    assert template._candidate is None
+
+
+def test_the_environment_variable_names_modules_and_turns_it_off(monkeypatch):
+    monkeypatch.setenv("MPIFY_NB_PRELOAD", "colorsys, wave")
+    preload._from_environment()
+    assert preload.named() == ["colorsys", "wave"] and preload.enabled()
+    monkeypatch.setenv("MPIFY_NB_PRELOAD", "0")
+    preload._from_environment()
+    assert not preload.enabled()
+
+
+@pytest.mark.parametrize("what, source, why", [
+    # CUDA mocked (a CPU machine): what torch.cuda.is_initialized() reads after a real cuInit.
+    ("cuda", "import torch\ntorch.cuda._initialized = True\n", "initializes CUDA"),
+    ("thread", "import threading, time\nthreading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\n",
+     "starts a thread"),
+])
+def test_a_module_that_would_make_forks_unsafe_is_left_out(tmp_path, monkeypatch, what, source, why):
+    # Such a module makes its template unusable: it is dropped, and a template without it takes over.
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    name = f"mpify_{what}_{uuid.uuid4().hex[:8]}"
+    (site / f"{name}.py").write_text("import os\nif 'RANK' not in os.environ:\n" +
+                                     "".join("    " + line + "\n" for line in source.splitlines()))
+    monkeypatch.syspath_prepend(str(site))
+    [mod] = unused(1)
+    held_at_start([name, mod])
+    assert template.wait_preloaded(timeout=120)
+    held_at_start([])
+    assert held_at_start([name, mod]) == [{name: False, mod: True}] * 2
+    assert why in preload.failed()[name]
