@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -282,3 +284,30 @@ def test_a_figure_drawn_on_a_rank_is_shown_at_the_end_of_the_cell(session):
                 display=lambda rank, bundle: shown.append((rank, sorted(bundle))))
     assert shown == [(0, ["image/png", "text/plain"])]
     assert session.run("len(plt.get_fignums())", ranks=[0]) == {0: 0}  # closed after, as inline does
+
+
+def test_ranks_die_with_their_caller():
+    """A caller killed outright (a kernel that dies) takes its ranks along."""
+    script = ("import sys, time\nfrom mpify_nb import Session\ns = Session(2)\n"
+              "print(*[r.pid for r in s.status()], flush=True)\ntime.sleep(60)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    caller = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        line = caller.stdout.readline() if caller.stdout else ""
+        pids = [int(p) for p in line.split()]
+        assert len(pids) == 2
+        idents = {r: (pid, start_time(pid)) for r, pid in enumerate(pids)}
+    finally:
+        caller.kill()
+        caller.wait()
+    deadline = time.monotonic() + 10
+    while not gone(idents) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone(idents)
+
+
+def test_close_from_another_thread_ends_a_running_call(session):
+    threading.Timer(0.3, session.close).start()
+    with pytest.raises(SessionClosedError):
+        session.run("import time\ntime.sleep(30)")
+    assert session.closed

@@ -319,9 +319,11 @@ class Session:
         if self.closed:
             return
         self.closed = True
+        # Killed before taking the lock: a call running in another thread then ends at once.
+        for m in list(self._members.values()):
+            m.process.kill()
+        self._wake()
         with self._call_lock:
-            for m in list(self._members.values()):
-                m.process.kill()
             for m in list(self._members.values()):
                 self._bury(m)
             self._members.clear()
@@ -564,6 +566,8 @@ class Session:
         try:
             while True:
                 dead = [m for m in members if not m.alive]
+                if dead and self.closed:
+                    raise SessionClosedError("the Session was closed while this call ran")
                 if dead:
                     self._stop(members, req)
                     raise merge_rank_errors([m.exit_error or RankExitedError(m.rank, None) for m in dead])
