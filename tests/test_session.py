@@ -286,24 +286,31 @@ def test_a_figure_drawn_on_a_rank_is_shown_at_the_end_of_the_cell(session):
     assert session.run("len(plt.get_fignums())", ranks=[0]) == {0: 0}  # closed after, as inline does
 
 
-def test_ranks_die_with_their_caller():
-    """A caller killed outright (a kernel that dies) takes its ranks along."""
-    script = ("import sys, time\nfrom mpify_nb import Session\ns = Session(2)\n"
-              "print(*[r.pid for r in s.status()], flush=True)\ntime.sleep(60)\n")
+def test_ranks_die_with_their_caller_even_when_it_forked():
+    """A caller killed outright (a kernel that dies) takes its ranks along, even when a fork of
+    it (a DataLoader worker of the notebook) still lives: the fork holds no rank's channel."""
+    script = ("import os, sys, time\nfrom mpify_nb import Session\ns = Session(2)\n"
+              "child = os.fork()\nif child == 0:\n    time.sleep(60)\n    os._exit(0)\n"
+              "print(child, *[r.pid for r in s.status()], flush=True)\ntime.sleep(60)\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     caller = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    fork = None
     try:
         line = caller.stdout.readline() if caller.stdout else ""
-        pids = [int(p) for p in line.split()]
+        fork, *pids = [int(p) for p in line.split()]
         assert len(pids) == 2
         idents = {r: (pid, start_time(pid)) for r, pid in enumerate(pids)}
     finally:
         caller.kill()
         caller.wait()
-    deadline = time.monotonic() + 10
-    while not gone(idents) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert gone(idents)
+    try:
+        deadline = time.monotonic() + 10
+        while not gone(idents) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert gone(idents)
+    finally:
+        if fork is not None:
+            os.kill(fork, signal.SIGKILL)
 
 
 def test_close_from_another_thread_ends_a_running_call(session):

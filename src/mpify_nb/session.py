@@ -51,6 +51,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
@@ -177,6 +178,7 @@ class Session:
         self._selector.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
         self._relay = OutputRelay(sys.stdout, sys.stderr)
         self._base_env = self._world_env()
+        _sessions.add(self)
         try:
             self._start(list(range(n)))
         except BaseException:
@@ -331,6 +333,26 @@ class Session:
             os.close(self._wake_r)
             os.close(self._wake_w)
             self._relay.close(timeout=0)
+
+    def _forget_in_child(self) -> None:
+        """In a fork of the caller (a DataLoader worker of the notebook): drop our copies of the
+        ranks' channels, or the ranks would not see the caller die while this child lives."""
+        self.closed = True
+        fds = [self._wake_r, self._wake_w]
+        for m in self._members.values():
+            fds += [m.work.detach(), m.control.detach(), m.out_r, m.err_r]
+            if m.process.death_fd is not None:
+                fds.append(m.process.death_fd)
+        try:
+            fds.append(self._selector.fileno())  # type: ignore[attr-defined]
+        except (AttributeError, ValueError):
+            pass
+        self._members = {}
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def __enter__(self) -> Session:
         return self
@@ -863,6 +885,20 @@ class Session:
         with self._flag_lock:
             self._interrupt_asked = True
         self._wake()
+
+
+#: Open sessions of this process, for the fork handler below.
+_sessions: weakref.WeakSet[Session] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for session in list(_sessions):
+        if not session.closed:
+            session._forget_in_child()
+    _sessions.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # -- helpers --------------------------------------------------------------------------------
