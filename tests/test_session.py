@@ -90,6 +90,12 @@ def test_errors_name_the_rank_show_the_source_and_identical_ones_are_merged(sess
     assert session.run("kept") == {0: 0, 1: 1}
     with pytest.raises(SyntaxError):
         session.run("def (")
+    # sys.exit() in a cell is an error of that cell, not the end of the rank.
+    with pytest.raises(RankRaisedError, match="SystemExit"):
+        session.run("import sys\nsys.exit(3)")
+    # A value that cannot be pickled comes back as its repr.
+    assert repr(session.run("(x for x in [])", ranks=[0])[0]).startswith("<generator object")
+    assert session.run("kept") == {0: 0, 1: 1}
 
 
 def test_a_collective_some_rank_never_joins_fails_fast_and_the_group_is_rebuilt(session):

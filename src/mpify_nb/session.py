@@ -12,22 +12,26 @@ Data flow of one ``run()``::
 
     caller (Session, one thread)                          rank k (session_rank.py)
     ----------------------------                          ------------------------
-    RUN (source, filename) ───── work channel ──────────> main thread: exec body, eval
-                                                           the last expression
-    wait loop: select over every rank's                   print(...) ── stdout pipe ──┐
-      work channel   <── DONE value / FAIL traceback ──    answer                     │
-      control channel <── COLLECTIVE "all_reduce" ────── control thread: main thread │
-      stdout/stderr pipes <─────────────────────────────── is blocked in a collective │
-      pidfd (death)  <── readable when the rank dies        <────────────────────────┘
-      wake pipe      <── interrupt() / SIGINT / timeout
-    relay: "[rank k] ..." lines into the cell running now (on the caller's thread)
+    RUN (source, filename) ────── work channel ─────────> main thread: exec the body,
+                                                           eval the last expression
+    wait loop, one select() over every rank's:
+      work channel     <── DONE value / FAIL traceback ── main thread
+      stdout/stderr    <── print(...) ─────────────────── main thread (and C code)
+      control channel  <── COLLECTIVE "all_reduce" ────── control thread: the main thread
+                                                           is blocked in a collective
+      pidfd            <── readable when the rank dies
+      wake pipe        <── interrupt() from any thread, SIGINT, close()
+    relay: "[rank k] ..." lines into the cell running now (written on the caller's thread)
 
-When the call is stuck, the caller acts (``_stop`` and ``_unstick``)::
+When the call is stuck, the caller acts (``_stop``, ``_collective_failed``)::
 
     interrupt / timeout  ── INTERRUPT req ──> control thread: SIGINT to the main thread
     some rank blocked in a collective that idle ranks never join (CollectiveError):
-                         ── ABORT_GROUP ───> every rank destroys its group: a gloo peer
-                                             blocked in it raises within ~10 ms
+                         ── ABORT_GROUP ───> every rank shuts down its TCP connections to
+                                             the other ranks and destroys its groups: a rank
+                                             blocked in gloo raises within ~10 ms, even when
+                                             the user still holds the group (a DDP wrapper)
+                         <── ABORTED ──────  (the rebuild waits for every rank's ack)
     then, once every rank is idle:
                          ── GROUP (port) ──> all ranks join a new group in place
                                              (Python state kept)
