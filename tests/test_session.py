@@ -153,6 +153,21 @@ def test_interrupt_stops_every_rank_keeps_state_and_the_next_call_works(session)
     assert session.run("kept") == {0: 0, 1: 1}
 
 
+def test_interrupt_unsticks_a_ddp_backward_that_waits_for_an_idle_rank(session):
+    """A backward on rank 0 alone waits in C++ (autograd) for an all_reduce rank 1 never
+    joins: no Python frame shows a collective, SIGINT cannot land; the interrupt still ends
+    it, and the model can be wrapped again on the rebuilt group."""
+    make = ("from torch.nn.parallel import DistributedDataParallel as DDP\n"
+            "torch.manual_seed(0)\nmodel = DDP(torch.nn.Linear(4, 1))")
+    session.run(make)
+    threading.Timer(0.5, session.interrupt).start()
+    with pytest.raises(KeyboardInterrupt):
+        session.run("model(torch.ones(2, 4)).sum().backward()", ranks=[0])
+    session.run(make)  # re-wrapped on the new group
+    assert session.run("model(torch.ones(2, 4)).sum().backward()\nmodel.module.bias.grad.item()") == {
+        0: 2.0, 1: 2.0}
+
+
 def test_timeout_interrupts_and_keeps_state(session):
     session.run("kept = rank")
     with pytest.raises(TimeoutError):

@@ -82,6 +82,7 @@ COLLECTIVE_GRACE = 0.3
 #: After an interrupt, how long ranks still running get before their group is destroyed
 #: under them (unsticks a gloo collective), and before we stop waiting for them at all.
 _ABORT_AFTER = 0.15
+_ABORT_ANYWAY = 0.5
 _STOP_PATIENCE = 5.0
 #: Pipe capacity for a rank's stdout/stderr: output printed between calls waits there.
 _PIPE_SIZE = 1 << 20
@@ -692,8 +693,11 @@ class Session:
                 now = time.monotonic()
                 if now - start > _STOP_PATIENCE:
                     break  # they ignore interrupts: leave them running, their answer is dropped
-                if self.ddp and not aborted and now - start > _ABORT_AFTER \
-                        and any(m.collective for m in running):
+                # Blocked in a collective (seen on its stack), or in C++ that ignores SIGINT for
+                # longer (a DDP backward waiting on its all_reduce): cut the group under it.
+                if self.ddp and not aborted and (
+                        (now - start > _ABORT_AFTER and any(m.collective for m in running))
+                        or now - start > _ABORT_ANYWAY):
                     self._abort_group()
                     aborted = True
                 if now - last_signal > 1.0:  # the user's code may have swallowed one

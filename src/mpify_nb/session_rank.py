@@ -248,14 +248,21 @@ def _tcp_table() -> dict[str, tuple[str, str]]:
     return table
 
 
-def _destroy_group() -> None:
-    """Tear down every process group of this rank (the user's subgroups too)."""
+def _destroy_group(abort: bool = False) -> None:
+    """Tear down every process group of this rank (the user's subgroups too). ``abort``: to
+    unstick a collective; NCCL needs its communicators aborted (its traffic is not ours to
+    cut), gloo's are unstuck by :func:`_cut_connections`."""
     try:
         import torch.distributed as dist
 
         if not dist.is_initialized():
             return
-        dist.destroy_process_group()
+        if abort and _group.get("backend") == "nccl":
+            from torch.distributed import distributed_c10d
+
+            distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
     except Exception:
         pass  # a group torn down by its peers may fail to say goodbye; it is gone either way
 
@@ -428,7 +435,7 @@ def _control_loop(control: socket.socket, state: _State) -> None:
                         signal.pthread_kill(state.main_ident, signal.SIGINT)
             elif kind == ABORT_GROUP:
                 _cut_connections(pickle.loads(_body))
-                _destroy_group()
+                _destroy_group(abort=True)
                 _send(control, pack(ABORTED, req_id))  # the caller rebuilds only after every ack
         request = state.request
         if request != watched:
