@@ -569,6 +569,8 @@ class Session:
             dead = [self._members[r] for r in targets if not self._members[r].alive]
             if dead:
                 raise merge_rank_errors([m.exit_error or RankExitedError(m.rank, None) for m in dead])
+            if self._group_broken:
+                self._rebuild()  # an earlier rebuild failed (or waited for a rank): try again now
             req = next(self._ids)
             members = [self._members[r] for r in targets]
             self._display = display
