@@ -169,6 +169,7 @@ class Session:
             raise ValueError(f"gpus={self._gpus} names {len(self._gpus)} GPUs for {n} ranks: give one per rank")
         self._backend = backend
         self.closed = False
+        self._gone = threading.Event()  # set when close() has ended every rank
         self._members: dict[int, _Member] = {}
         self._ids = itertools.count(1)
         self._call_lock = threading.Lock()
@@ -323,21 +324,27 @@ class Session:
 
     def close(self) -> None:
         """End every rank; when this returns their processes are gone. Idempotent."""
-        if self.closed:
+        with self._flag_lock:
+            first = not self.closed
+            self.closed = True
+        if not first:
+            self._gone.wait()  # another thread is closing it: return when it is done
             return
-        self.closed = True
-        # Killed before taking the lock: a call running in another thread then ends at once.
-        for m in list(self._members.values()):
-            m.process.kill()
-        self._wake()
-        with self._call_lock:
+        try:
+            # Killed before taking the lock: a call running in another thread then ends at once.
             for m in list(self._members.values()):
-                self._bury(m)
-            self._members.clear()
-            self._selector.close()
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-            self._relay.close(timeout=0)
+                m.process.kill()
+            self._wake()
+            with self._call_lock:
+                for m in list(self._members.values()):
+                    self._bury(m)
+                self._members.clear()
+                self._selector.close()
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+                self._relay.close(timeout=0)
+        finally:
+            self._gone.set()
 
     def _forget_in_child(self) -> None:
         """In a fork of the caller (a DataLoader worker of the notebook): drop our copies of the
