@@ -24,6 +24,7 @@ BENCHMARKS = {
     "tensors": "bench_tensors.py",  # target 3
     "throughput": "bench_throughput.py",  # target 4
     "memory": "bench_memory.py",  # target 5
+    "session": "bench_session_magics.py",  # issue 8: persistent ranks, beside ipyparallel/nbdistributed
 }
 
 

@@ -172,6 +172,15 @@ def die_on(target: int, how: str, directory: str, seconds: float) -> int:
     return rank()
 
 
+def sleep_in_python(directory: str, seconds: float) -> int:
+    """Every rank sleeps in short steps (a thread can be interrupted between them)."""
+    record(directory)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(0.05)
+    return rank()
+
+
 def sleep_on(target: int, directory: str, seconds: float) -> int:
     """Only rank ``target`` sleeps; the others return at once."""
     record(directory)

@@ -503,3 +503,28 @@ def test_calls_from_two_threads_leave_nothing_behind(caller_rank):
         # A second call that plays a rank cannot share the process: refused at once, clearly.
         assert all("another call that plays a rank" in str(e) for e in refused), refused[:1]
         assert results, "no call got through"
+
+
+@pytest.mark.parametrize("caller_rank", [0, None])
+def test_interrupt_stops_a_call_running_on_another_thread(caller_rank, tmp_path):
+    """Signal handlers run on the main thread only; the stop button must still stop a call
+    that a worker thread runs (the caller's own rank included), and leave nothing."""
+    assert_next_call_works()  # from the main thread: our SIGINT handler is in place
+    outcome: list = []
+
+    def worker() -> None:
+        try:
+            outcome.append(mpify_nb.ranch(2, hr.sleep_in_python, str(tmp_path), 120, caller_rank=caller_rank))
+        except BaseException as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    found = wait_for_records(tmp_path, 2)
+    with pytest.raises(KeyboardInterrupt):  # the main thread gets its own, as always
+        signal.raise_signal(signal.SIGINT)
+    thread.join(timeout=NO_HANG)
+    assert not thread.is_alive(), "the call on the other thread went on after the interrupt"
+    assert len(outcome) == 1 and isinstance(outcome[0], KeyboardInterrupt), outcome
+    assert_gone([ident for ident in found.values() if ident[0] != os.getpid()], timeout=NO_HANG)
+    assert_next_call_works()

@@ -434,6 +434,33 @@ def test_interrupt_stops_every_rank_and_the_kernel_stays_usable(tmp_path):
         k.close()
 
 
+def test_stop_button_stops_a_call_on_a_background_thread(kernel):
+    """The kernel is idle (it ignores SIGINT then) while a thread runs ranch: the stop button
+    must still end that call, with KeyboardInterrupt in the thread, and the ranks gone."""
+    kernel.ok(
+        "import threading, time, os, mpify_nb\n"
+        "def spin(seconds):\n"
+        "    end = time.monotonic() + seconds\n"
+        "    while time.monotonic() < end:\n"
+        "        time.sleep(0.05)\n"
+        "    return os.getpid()\n"
+        "outcome = []\n"
+        "def worker():\n"
+        "    try:\n"
+        "        outcome.append(mpify_nb.ranch(2, spin, 120))\n"
+        "    except BaseException as e:\n"
+        "        outcome.append(type(e).__name__)\n"
+        "background = threading.Thread(target=worker)\n"
+        "background.start()\n"
+        "time.sleep(2)\n"
+    )
+    kernel.interrupt()
+    ran = kernel.ok("background.join(30)\nprint(background.is_alive(), outcome)")
+    assert ran.stream().strip() == "False ['KeyboardInterrupt']", ran.outputs
+    after = kernel.ok("%%ranch 2\nimport os\nint(os.environ['RANK'])")
+    assert after.shown() == ["[rank 0] 0\n[rank 1] 1"]
+
+
 def test_example_notebook_runs():
     path = ROOT / "examples" / "magics.ipynb"
     nb = nbformat.read(path, as_version=4)

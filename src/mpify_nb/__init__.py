@@ -8,6 +8,7 @@ Where things happen, by module:
 
 ==============  ===============================================================
 launcher.py     ranch(): the call from start to teardown, the watch over ranks
+interrupts.py   the stop button for calls on threads other than the main one
 session.py      Session: persistent ranks across calls (session_rank.py: their serve loop)
 payload.py      packing the call and the results (dill, shared-memory tensors)
 placement.py    where a rank starts (the seam): template fork or fresh spawn
@@ -16,7 +17,7 @@ rank.py         what a rank does from birth to exit
 relay.py        where ranks' output is relayed into the cell
 errors.py       where errors come back: RankError and the remote traceback
 ddp.py          in_torchddp / TorchDDPCtx
-magics.py       %%ranch and friends (``%load_ext mpify_nb``)
+magics/         %%ranch, the session magics (``%load_ext mpify_nb``)
 ==============  ===============================================================
 """
 
@@ -52,11 +53,23 @@ __all__ = [
 
 
 def load_ipython_extension(ipython) -> None:
-    """``%load_ext mpify_nb``: register the %%ranch magics."""
+    """``%load_ext mpify_nb``: register the magics (%%ranch, and the persistent ranks' %dist_init ...)."""
     from .magics import load_ipython_extension as load
 
     load(ipython)
 
+
+def unload_ipython_extension(ipython) -> None:
+    """``%unload_ext mpify_nb``: stop the persistent ranks and automatic mode."""
+    from .magics import unload_ipython_extension as unload
+
+    unload(ipython)
+
+
+if os.environ.get("MPIFY_NB_CHILD") != "1":
+    from .interrupts import install as _install_sigint
+
+    _install_sigint()  # the stop button reaches calls on other threads too (interrupts.py)
 
 # Start the template now, in the background, so the first call does not pay for
 # importing torch. Not in our own children (ranks and the template itself).

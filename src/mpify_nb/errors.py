@@ -274,7 +274,8 @@ def _user_frames(frames):
 
 
 def _is_library_file(filename: str) -> bool:
-    return os.path.dirname(os.path.abspath(filename)) == _PACKAGE_DIR
+    """A file of this package or of one of its subpackages (magics/)."""
+    return os.path.abspath(filename).startswith(_PACKAGE_DIR + os.sep)
 
 
 def _location(filename: str) -> str:

@@ -37,7 +37,7 @@ import time
 import weakref
 from typing import Any, Callable, Optional
 
-from . import ddp, libraries, payload, placement, wire
+from . import ddp, interrupts, libraries, payload, placement, wire
 from . import rank as rank_module
 from .errors import PayloadError, RankError, RankExitedError, RemoteFailure, safe_str
 from .relay import OutputRelay
@@ -218,6 +218,14 @@ _caller_rank_owner = ""
 _calls_taking_sigint: weakref.WeakSet[_Call] = weakref.WeakSet()
 
 
+def _set_async_exception(thread_id: int, exc_type: Optional[type]) -> None:
+    """Raise ``exc_type`` in another thread at its next bytecode (None: cancel a pending one)."""
+    import ctypes
+
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(thread_id), ctypes.py_object(exc_type) if exc_type else ctypes.c_void_p(None))
+
+
 def _after_fork_in_child() -> None:
     """A fork of the caller during a call (DataLoader workers on rank 0) inherits our SIGINT
     handler and wakeup fd, and maybe our lock held by the watch thread. The child is not
@@ -256,6 +264,8 @@ class _Call:
         self.abort_signal_pending = False
         self.main_thread: int = threading.main_thread().ident or 0
         self.on_main_thread = threading.current_thread() is threading.main_thread()
+        self.thread_id = threading.get_ident()
+        self.wake_closed = False
 
     # -- the whole call ------------------------------------------------------------------
 
@@ -267,9 +277,14 @@ class _Call:
                 "group and streams. Wait for it to finish, or pass caller_rank=None: calls in which "
                 "every rank is a new process may run side by side."
             )
+        if self.on_main_thread:
+            interrupts.install()
+        else:
+            interrupts.register(self)  # the stop button reaches us through the main thread
         try:
             return self._run(packed, fn, args, kwargs, ctx)
         finally:
+            interrupts.unregister(self)
             if self.caller_rank is not None:
                 _caller_rank_lock.release()
 
@@ -319,8 +334,10 @@ class _Call:
             packed.close_later()
             relay.close()
             self.selector.close()
-            os.close(self.wake_r)
-            os.close(self.wake_w)
+            with self.cond:
+                self.wake_closed = True
+                os.close(self.wake_r)
+                os.close(self.wake_w)
             state.restore()
 
     def _world_env(self) -> dict:
@@ -419,7 +436,9 @@ class _Call:
                 if self.signals_sent:
                     self.signals_sent -= 1
                 else:  # the user interrupted: stop every rank so the main thread can return
-                    self.interrupted = True
+                    with self.cond:
+                        self.interrupted = True
+                        self.cond.notify_all()
                     self._kill_all()
 
     def _on_message(self, handle: _Rank) -> None:
@@ -504,8 +523,11 @@ class _Call:
             handle.process.kill()
 
     def _interrupt_own_rank(self) -> None:
-        """Make the main thread, if it is running the caller's rank, stop and report."""
+        """Make the thread running the caller's rank stop and report."""
         if not self.on_main_thread:
+            with self.cond:
+                if self.in_user_code:
+                    _set_async_exception(self.thread_id, _Aborted)  # at its next bytecode
             return
         with self.cond:
             if not self.in_user_code:
@@ -552,7 +574,7 @@ class _Call:
             # Then the peer's own report is on its way: give it a moment.
             if self.failure is None and self._some_rank_stirred():
                 with self.cond:
-                    self.cond.wait_for(lambda: self.failure is not None, timeout=2.0)
+                    self.cond.wait_for(lambda: self.failure is not None or self.interrupted, timeout=2.0)
             failure = RemoteFailure.capture(e, lambda exc: None).to_error(rank, payload.loads)
             failure.__cause__ = e
             self._fail(failure)
@@ -560,6 +582,24 @@ class _Call:
         finally:
             if restore_signals is not None:
                 restore_signals()
+            if not self.on_main_thread:
+                _set_async_exception(self.thread_id, None)  # one that came too late to matter
+
+    def interrupt_from_signal(self) -> None:
+        """The user pressed stop while this call runs on a thread other than the main one
+        (called by interrupts.py on the main thread): stop it as the main thread's SIGINT would."""
+        with self.cond:
+            if self.wake_closed:
+                return
+            try:
+                os.write(self.wake_w, bytes([signal.SIGINT]))  # the watch stops every rank
+            except OSError:
+                pass
+            if self.in_user_code:
+                # The caller's rank runs on our thread: KeyboardInterrupt there at its next
+                # bytecode (a C call it is blocked in ends first: a collective does so as
+                # soon as the peers are killed).
+                _set_async_exception(self.thread_id, KeyboardInterrupt)
 
     def _some_rank_stirred(self) -> bool:
         """Has a rank that is still running died, or sent something not yet read?"""
@@ -581,6 +621,7 @@ class _Call:
                 if inside:
                     raise _Aborted()
                 return
+            interrupts.interrupt_other_threads()  # one press stops every call
             raise KeyboardInterrupt
 
         old_handler = signal.signal(signal.SIGINT, on_sigint)

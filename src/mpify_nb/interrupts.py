@@ -1,0 +1,115 @@
+"""The stop button for calls that run on a thread other than the main one.
+
+Python runs signal handlers on the main thread only, so a SIGINT (Ctrl-C, or the
+notebook's stop button, which is a SIGINT to the kernel) never reaches a ``ranch()``
+that a worker thread is running: its ranks would go on until they finish.
+
+We put one handler in front of the process's own SIGINT handler (from the main
+thread, the only one allowed to)::
+
+    SIGINT ──> on_sigint (main thread) ──> call.interrupt_from_signal()  for every
+                   │                        call running on another thread
+                   └──> the handler that was there before (KeyboardInterrupt,
+                        ipykernel's idle SIG_IGN, the user's own handler ...)
+
+In a Jupyter kernel the handler that counts is the one the kernel restores between
+cells (ipykernel ignores SIGINT while idle and swaps in ``default_int_handler``
+while a cell runs), so we also chain in front of that one: the stop button then
+stops a background call while the notebook is idle, and a cell's own
+KeyboardInterrupt is unchanged.
+
+A call running on the main thread takes SIGINT itself while it runs (launcher's
+``_take_sigint``) and calls ``interrupt_other_threads()`` from there, so one
+press stops every call.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import weakref
+from typing import Any, Protocol
+
+
+class Interruptible(Protocol):
+    def interrupt_from_signal(self) -> None: ...
+
+
+#: Calls running on threads other than the main one. No lock: the signal handler runs
+#: on the main thread between bytecodes, and must never wait for one.
+_running: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+class _ChainedHandler:
+    """Stops our background calls, then does what ``previous`` did."""
+
+    def __init__(self, previous: Any):
+        self.previous = previous
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        interrupt_other_threads()
+        previous = self.previous
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            raise KeyboardInterrupt
+        # SIG_IGN (ipykernel while idle): nothing more to do
+
+
+def install() -> None:
+    """Chain our handler in front of the current SIGINT handler(s). Main thread only;
+    does nothing elsewhere or when already installed."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        current = signal.getsignal(signal.SIGINT)
+        if not isinstance(current, _ChainedHandler) and current is not None:
+            signal.signal(signal.SIGINT, _ChainedHandler(current))
+    except ValueError:  # not the main interpreter
+        return
+    kernel = _running_ipykernel()
+    saved = getattr(kernel, "saved_sigint_handler", None)
+    if saved is not None and not isinstance(saved, _ChainedHandler):
+        # The handler the kernel puts back when this cell ends (SIG_IGN: idle).
+        kernel.saved_sigint_handler = _ChainedHandler(saved)  # type: ignore[union-attr]
+
+
+def _running_ipykernel() -> Any:
+    if "ipykernel.kernelbase" not in sys.modules:
+        return None
+    kernel_class = sys.modules["ipykernel.kernelbase"].Kernel
+    try:
+        return kernel_class.instance() if kernel_class.initialized() else None
+    except Exception:
+        return None
+
+
+def register(call: Interruptible) -> None:
+    _running.add(call)
+
+
+def unregister(call: Interruptible) -> None:
+    _running.discard(call)
+
+
+def interrupt_other_threads() -> None:
+    """Stop every registered call (those running on a thread other than the main one)."""
+    while True:
+        try:
+            calls = list(_running)
+            break
+        except RuntimeError:  # another thread registered meanwhile
+            continue
+    for call in calls:
+        call.interrupt_from_signal()
+
+
+def _forget_after_fork() -> None:
+    # A fork (a DataLoader worker) runs none of its parent's calls: its Ctrl-C must not
+    # write to their wake pipes, which it inherited.
+    _running.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

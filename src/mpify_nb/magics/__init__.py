@@ -1,0 +1,40 @@
+"""IPython magics (``%load_ext mpify_nb``), by job:
+
+==============  ===============================================================
+ranch.py        %%ranch N: fresh ranks for one cell; %ranch_result
+session.py      persistent ranks: %dist_init, %%distributed, %%rank, %%local,
+                %dist_push/%dist_pull, %dist_status, ... driving one Session
+auto.py         automatic mode: which cells go to the ranks, which lines stay
+onrank.py       %time / %timeit measured on the ranks
+cells.py        what every magic needs from a cell: its source compiled as
+                ``Cell In[n]``, the notebook names it reads, showing values
+==============  ===============================================================
+
+Ranks import this package (``_run_cell_on_rank`` lives in ranch.py), so nothing
+here imports IPython at import time: each magics class is built on first use.
+"""
+
+from __future__ import annotations
+
+from .cells import CellSyntaxError, names_read_from_notebook, notebook_names_for
+from .ranch import _run_cell_on_rank  # noqa: F401  (where pickles of older cells look for it)
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext mpify_nb``: register every magic of the package."""
+    from .ranch import ranch_magics_class
+    from .session import load
+
+    ipython.register_magics(ranch_magics_class()(ipython))
+    load(ipython)
+
+
+def unload_ipython_extension(ipython) -> None:
+    """``%unload_ext mpify_nb``: stop the ranks of the session and automatic mode."""
+    from .session import unload
+
+    unload(ipython)
+
+
+__all__ = ["load_ipython_extension", "unload_ipython_extension", "names_read_from_notebook", "notebook_names_for",
+           "CellSyntaxError"]
