@@ -168,6 +168,27 @@ def test_interrupt_unsticks_a_ddp_backward_that_waits_for_an_idle_rank(session):
         0: 2.0, 1: 2.0}
 
 
+def test_the_stop_button_reaches_a_call_running_on_another_thread(session):
+    outcome = []
+
+    def call() -> None:
+        try:
+            session.run("import time\ntime.sleep(30)")
+            outcome.append("finished")
+        except KeyboardInterrupt:
+            outcome.append("interrupted")
+
+    worker = threading.Thread(target=call)
+    worker.start()
+    time.sleep(0.5)
+    with pytest.raises(KeyboardInterrupt):  # the main thread's own KeyboardInterrupt, as in a script
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+    worker.join(5)
+    assert outcome == ["interrupted"]
+    assert session.run("rank") == {0: 0, 1: 1}
+
+
 def test_timeout_interrupts_and_keeps_state(session):
     session.run("kept = rank")
     with pytest.raises(TimeoutError):

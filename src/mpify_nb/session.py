@@ -60,7 +60,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
-from . import libraries, payload, placement, wire
+from . import interrupts, libraries, payload, placement, wire
 from . import session_rank as proto
 from .ddp import _parse_gpus
 from .errors import (
@@ -185,6 +185,7 @@ class Session:
         self._relay = OutputRelay(sys.stdout, sys.stderr)
         self._base_env = self._world_env()
         _sessions.add(self)
+        interrupts.install()  # from the main thread: the stop button then reaches calls on others
         try:
             self._start(list(range(n)))
         except BaseException:
@@ -583,7 +584,7 @@ class Session:
             self._display = display
             with self._flag_lock:
                 self._current, self._interrupt_asked = req, False
-            restore = _take_sigint(self._on_sigint)
+            restore = _take_sigint(self._on_sigint, self)
             self._relay.retarget(sys.stdout, sys.stderr)
             try:
                 for m in members:
@@ -899,9 +900,17 @@ class Session:
             pass
 
     def _on_sigint(self) -> None:
-        with self._flag_lock:
-            self._interrupt_asked = True
+        # A signal handler: no lock (the main thread may hold it), a flag and a byte.
+        self._interrupt_asked = True
         self._wake()
+        interrupts.interrupt_other_threads()  # one press stops every call, ranch's included
+
+    def interrupt_from_signal(self) -> None:
+        """The stop button, while this session's call runs on a thread other than the main one
+        (interrupts.py calls this from the main thread's SIGINT handler)."""
+        if self._current != proto.NO_REQUEST:
+            self._interrupt_asked = True
+            self._wake()
 
 
 #: Open sessions of this process, for the fork handler below.
@@ -966,11 +975,14 @@ def _rss(pid: int) -> Optional[int]:
         return None
 
 
-def _take_sigint(on_sigint: Callable[[], None]) -> Callable[[], None]:
+def _take_sigint(on_sigint: Callable[[], None], session: Session) -> Callable[[], None]:
     """While a call waits: SIGINT (the stop button) sets a flag instead of raising anywhere,
-    so it never cuts a message in half; the wait loop raises KeyboardInterrupt itself."""
+    so it never cuts a message in half; the wait loop raises KeyboardInterrupt itself. On
+    another thread, the main thread's handler reaches us through interrupts.py."""
     if threading.current_thread() is not threading.main_thread():
-        return lambda: None
+        interrupts.install()
+        interrupts.register(session)
+        return lambda: interrupts.unregister(session)
     try:
         old = signal.signal(signal.SIGINT, lambda signum, frame: on_sigint())
     except ValueError:
