@@ -148,8 +148,9 @@ def _start(namespace: dict, rank: int, session: dict, listen_fd: Optional[int]) 
 
     device = torch.device("cpu")
     gpu = session.get("gpu")
-    if gpu == "auto":  # one GPU per rank when there are enough, as torchrun users expect
-        gpu = rank if torch.cuda.is_available() and rank < torch.cuda.device_count() else None
+    if gpu == "auto":  # one GPU per rank when every rank can have one; else all on CPU (one backend)
+        world = session["world_size"]
+        gpu = rank if torch.cuda.is_available() and torch.cuda.device_count() >= world else None
     if gpu is not None:
         torch.cuda.set_device(gpu)
         device = torch.device("cuda", gpu)
