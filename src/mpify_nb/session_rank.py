@@ -193,14 +193,21 @@ def _cut_connections(peer_pids: list[int]) -> None:
     the user's own sockets are left alone."""
     mine = _socket_inodes("self")
     theirs: set[str] = set()
+    readable = False
     for pid in peer_pids:
-        theirs |= set(_socket_inodes(str(pid)))
+        found = _socket_inodes(str(pid))
+        readable = readable or found is not None
+        theirs |= set(found or ())
     table = _tcp_table()
     peer_ends = {table[inode][0] for inode in theirs if inode in table}
+    if peer_pids and not readable:
+        # The peers' fds are hidden from us (hidepid, a hardened /proc): every loopback
+        # connection then counts as one to a peer, since all ranks live on this machine.
+        peer_ends = {ends[1] for ends in table.values() if _is_loopback(ends[1])}
     # The store's connections stay: cut, torch prints a C++ stack for each; the group's
     # destruction ends them anyway.
     store = f":{int(os.environ.get('MASTER_PORT', '0') or 0):04X}"
-    for inode, fd in mine.items():
+    for inode, fd in (mine or {}).items():
         ends = table.get(inode)
         if ends is None or ends[1] not in peer_ends or ends[0].endswith(store) or ends[1].endswith(store):
             continue
@@ -216,13 +223,22 @@ def _cut_connections(peer_pids: list[int]) -> None:
             sock.close()
 
 
-def _socket_inodes(pid: str) -> dict[str, int]:
-    """{socket inode: fd} of a process."""
+def _is_loopback(endpoint: str) -> bool:
+    """Is this /proc/net/tcp endpoint (hex address:port) on 127.0.0.0/8 or ::1?"""
+    address = endpoint.split(":")[0]
+    if len(address) == 8:
+        return address.endswith("7F")  # little-endian IPv4: 127.x.y.z
+    return address in ("00000000000000000000000001000000",) or (
+        address.startswith("0000000000000000FFFF0000") and address.endswith("7F"))
+
+
+def _socket_inodes(pid: str) -> Optional[dict[str, int]]:
+    """{socket inode: fd} of a process; None when its fds cannot be read."""
     found: dict[str, int] = {}
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
-        return found
+        return None
     for fd in fds:
         try:
             target = os.readlink(f"/proc/{pid}/fd/{fd}")
