@@ -72,6 +72,12 @@ def test_run_returns_last_expression_keeps_state_and_relays_output_as_written(se
     out, err = capsys.readouterr()
     assert out == "[rank 1]   two spaces  \n[rank 1] \n[rank 1] a 1\n[rank 1] partial"
     assert err == "[rank 1] oops\n"
+    # C code's output (C stdio, fully buffered on a pipe unless PYTHONUNBUFFERED) belongs to its cell too.
+    session.run("import ctypes\nlibc = ctypes.CDLL(None)\n"
+                "cbuf = ctypes.create_string_buffer(8192)\n"
+                "libc.setvbuf(ctypes.c_void_p.in_dll(libc, 'stdout'), cbuf, 0, 8192)\n"  # _IOFBF
+                "libc.printf(b'from C\\n')", ranks=[0])
+    assert capsys.readouterr().out == "[rank 0] from C\n"
     assert session.pull("y", rank=None) == [0, 10]
 
 

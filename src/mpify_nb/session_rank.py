@@ -117,9 +117,27 @@ def serve(channel: socket.socket, config: dict, fds: list[int]) -> NoReturn:
         with state.lock:
             state.request = NO_REQUEST
         rank_module._flush_stdio()  # what the request printed reaches the caller before its answer
+        _flush_c_stdio()
         _send(channel, reply, reply_fds)
         payload.close_fds(reply_fds)
         _replaced.clear()
+
+
+_libc: Any = None
+
+
+def _flush_c_stdio() -> None:
+    """C extensions print through C's stdio, which buffers a pipe fully: flush it, or their
+    output would surface in some later cell."""
+    global _libc
+    try:
+        if _libc is None:
+            import ctypes
+
+            _libc = ctypes.CDLL(None)
+        _libc.fflush(None)
+    except (OSError, AttributeError):
+        pass
 
 
 def _send(channel: socket.socket, data: bytes, fds=()) -> None:
