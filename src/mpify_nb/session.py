@@ -409,10 +409,11 @@ class Session:
         try:
             live_old = [m for m in self._members.values() if m.alive and m.rank not in ranks]
             host = min([m.rank for m in live_old] + ranks)
-            placer = placement.get_placer()
+            placer = placement.get_placer() if ranks else None  # a rebuild starts no template
             common = {"cwd": os.getcwd(), "sys_path": list(sys.path), "argv": list(sys.argv)}
             new = []
             for r in ranks:
+                assert placer is not None
                 m = self._spawn(placer, r)
                 new.append(m)
                 env = dict(self._base_env, RANK=str(r), LOCAL_RANK=str(r), MASTER_PORT=str(port),
