@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -70,6 +72,12 @@ def test_run_returns_last_expression_keeps_state_and_relays_output_as_written(se
     out, err = capsys.readouterr()
     assert out == "[rank 1]   two spaces  \n[rank 1] \n[rank 1] a 1\n[rank 1] partial"
     assert err == "[rank 1] oops\n"
+    # C code's output (C stdio, fully buffered on a pipe unless PYTHONUNBUFFERED) belongs to its cell too.
+    session.run("import ctypes\nlibc = ctypes.CDLL(None)\n"
+                "cbuf = ctypes.create_string_buffer(8192)\n"
+                "libc.setvbuf(ctypes.c_void_p.in_dll(libc, 'stdout'), cbuf, 0, 8192)\n"  # _IOFBF
+                "libc.printf(b'from C\\n')", ranks=[0])
+    assert capsys.readouterr().out == "[rank 0] from C\n"
     assert session.pull("y", rank=None) == [0, 10]
 
 
@@ -88,6 +96,12 @@ def test_errors_name_the_rank_show_the_source_and_identical_ones_are_merged(sess
     assert session.run("kept") == {0: 0, 1: 1}
     with pytest.raises(SyntaxError):
         session.run("def (")
+    # sys.exit() in a cell is an error of that cell, not the end of the rank.
+    with pytest.raises(RankRaisedError, match="SystemExit"):
+        session.run("import sys\nsys.exit(3)")
+    # A value that cannot be pickled comes back as its repr.
+    assert repr(session.run("(x for x in [])", ranks=[0])[0]).startswith("<generator object")
+    assert session.run("kept") == {0: 0, 1: 1}
 
 
 def test_a_collective_some_rank_never_joins_fails_fast_and_the_group_is_rebuilt(session):
@@ -95,7 +109,7 @@ def test_a_collective_some_rank_never_joins_fails_fast_and_the_group_is_rebuilt(
     start = time.monotonic()
     with pytest.raises(CollectiveError) as info:
         session.run("t = torch.ones(2)\ndist.all_reduce(t)", ranks=[0])
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 60  # not gloo's 30-minute timeout (speed: bench_session.py)
     assert info.value.waiting == [0] and info.value.missing == [1] and info.value.rebuilt
     assert "all_reduce" in str(info.value)
     assert session.run(ALL_REDUCE) == {0: [3.0, 3.0], 1: [3.0, 3.0]}
@@ -129,7 +143,7 @@ def test_interrupt_stops_every_rank_keeps_state_and_the_next_call_works(session)
         session.run("import time\ntime.sleep(30)")
     start = time.monotonic()
     assert session.run("kept") == {0: 0, 1: 1}
-    assert time.monotonic() - start < 1
+    assert time.monotonic() - start < 30  # no leftover wait (speed: bench_session.py)
     # A rank stuck in C++ (an all_reduce rank 1 never joins) is unstuck too.
     threading.Timer(0.1, session.interrupt).start()
     with pytest.raises(KeyboardInterrupt):
@@ -143,6 +157,42 @@ def test_interrupt_stops_every_rank_keeps_state_and_the_next_call_works(session)
     assert identities(session) == idents  # no rank died
     session.interrupt()  # between calls: nothing to stop, and the next call is not affected
     assert session.run("kept") == {0: 0, 1: 1}
+
+
+def test_interrupt_unsticks_a_ddp_backward_that_waits_for_an_idle_rank(session):
+    """A backward on rank 0 alone waits in C++ (autograd) for an all_reduce rank 1 never
+    joins: no Python frame shows a collective, SIGINT cannot land; the interrupt still ends
+    it, and the model can be wrapped again on the rebuilt group."""
+    make = ("from torch.nn.parallel import DistributedDataParallel as DDP\n"
+            "torch.manual_seed(0)\nmodel = DDP(torch.nn.Linear(4, 1))")
+    session.run(make)
+    threading.Timer(0.5, session.interrupt).start()
+    with pytest.raises(KeyboardInterrupt):
+        session.run("model(torch.ones(2, 4)).sum().backward()", ranks=[0])
+    session.run(make)  # re-wrapped on the new group
+    assert session.run("model(torch.ones(2, 4)).sum().backward()\nmodel.module.bias.grad.item()") == {
+        0: 2.0, 1: 2.0}
+
+
+def test_the_stop_button_reaches_a_call_running_on_another_thread(session):
+    outcome = []
+
+    def call() -> None:
+        try:
+            session.run("import time\ntime.sleep(30)")
+            outcome.append("finished")
+        except KeyboardInterrupt:
+            outcome.append("interrupted")
+
+    worker = threading.Thread(target=call)
+    worker.start()
+    time.sleep(0.5)
+    with pytest.raises(KeyboardInterrupt):  # the main thread's own KeyboardInterrupt, as in a script
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+    worker.join(5)
+    assert outcome == ["interrupted"]
+    assert session.run("rank") == {0: 0, 1: 1}
 
 
 def test_timeout_interrupts_and_keeps_state(session):
@@ -159,7 +209,7 @@ def test_a_killed_rank_fails_the_call_at_once_and_restart_replaces_it(session):
     start = time.monotonic()
     with pytest.raises(RankExitedError) as info:
         session.run("import time\ntime.sleep(30)")
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 25  # not the 30 s sleep (speed: bench_session.py)
     assert info.value.rank == 1 and info.value.signal_name == "SIGKILL"
     rows = session.status()
     assert [r.state for r in rows] == ["idle", "dead"] and "SIGKILL" in rows[1].exit_detail
@@ -282,3 +332,37 @@ def test_a_figure_drawn_on_a_rank_is_shown_at_the_end_of_the_cell(session):
                 display=lambda rank, bundle: shown.append((rank, sorted(bundle))))
     assert shown == [(0, ["image/png", "text/plain"])]
     assert session.run("len(plt.get_fignums())", ranks=[0]) == {0: 0}  # closed after, as inline does
+
+
+def test_ranks_die_with_their_caller_even_when_it_forked():
+    """A caller killed outright (a kernel that dies) takes its ranks along, even when a fork of
+    it (a DataLoader worker of the notebook) still lives: the fork holds no rank's channel."""
+    script = ("import os, sys, time\nfrom mpify_nb import Session\ns = Session(2)\n"
+              "child = os.fork()\nif child == 0:\n    time.sleep(60)\n    os._exit(0)\n"
+              "print(child, *[r.pid for r in s.status()], flush=True)\ntime.sleep(60)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    caller = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    fork = None
+    try:
+        line = caller.stdout.readline() if caller.stdout else ""
+        fork, *pids = [int(p) for p in line.split()]
+        assert len(pids) == 2
+        idents = {r: (pid, start_time(pid)) for r, pid in enumerate(pids)}
+    finally:
+        caller.kill()
+        caller.wait()
+    try:
+        deadline = time.monotonic() + 10
+        while not gone(idents) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert gone(idents)
+    finally:
+        if fork is not None:
+            os.kill(fork, signal.SIGKILL)
+
+
+def test_close_from_another_thread_ends_a_running_call(session):
+    threading.Timer(0.3, session.close).start()
+    with pytest.raises(SessionClosedError):
+        session.run("import time\ntime.sleep(30)")
+    assert session.closed

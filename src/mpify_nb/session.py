@@ -12,22 +12,26 @@ Data flow of one ``run()``::
 
     caller (Session, one thread)                          rank k (session_rank.py)
     ----------------------------                          ------------------------
-    RUN (source, filename) ───── work channel ──────────> main thread: exec body, eval
-                                                           the last expression
-    wait loop: select over every rank's                   print(...) ── stdout pipe ──┐
-      work channel   <── DONE value / FAIL traceback ──    answer                     │
-      control channel <── COLLECTIVE "all_reduce" ────── control thread: main thread │
-      stdout/stderr pipes <─────────────────────────────── is blocked in a collective │
-      pidfd (death)  <── readable when the rank dies        <────────────────────────┘
-      wake pipe      <── interrupt() / SIGINT / timeout
-    relay: "[rank k] ..." lines into the cell running now (on the caller's thread)
+    RUN (source, filename) ────── work channel ─────────> main thread: exec the body,
+                                                           eval the last expression
+    wait loop, one select() over every rank's:
+      work channel     <── DONE value / FAIL traceback ── main thread
+      stdout/stderr    <── print(...) ─────────────────── main thread (and C code)
+      control channel  <── COLLECTIVE "all_reduce" ────── control thread: the main thread
+                                                           is blocked in a collective
+      pidfd            <── readable when the rank dies
+      wake pipe        <── interrupt() from any thread, SIGINT, close()
+    relay: "[rank k] ..." lines into the cell running now (written on the caller's thread)
 
-When the call is stuck, the caller acts (``_stop`` and ``_unstick``)::
+When the call is stuck, the caller acts (``_stop``, ``_collective_failed``)::
 
     interrupt / timeout  ── INTERRUPT req ──> control thread: SIGINT to the main thread
     some rank blocked in a collective that idle ranks never join (CollectiveError):
-                         ── ABORT_GROUP ───> every rank destroys its group: a gloo peer
-                                             blocked in it raises within ~10 ms
+                         ── ABORT_GROUP ───> every rank shuts down its TCP connections to
+                                             the other ranks and destroys its groups: a rank
+                                             blocked in gloo raises within ~10 ms, even when
+                                             the user still holds the group (a DDP wrapper)
+                         <── ABORTED ──────  (the rebuild waits for every rank's ack)
     then, once every rank is idle:
                          ── GROUP (port) ──> all ranks join a new group in place
                                              (Python state kept)
@@ -51,11 +55,12 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
-from . import libraries, payload, placement, wire
+from . import interrupts, libraries, payload, placement, wire
 from . import session_rank as proto
 from .ddp import _parse_gpus
 from .errors import (
@@ -77,6 +82,7 @@ COLLECTIVE_GRACE = 0.3
 #: After an interrupt, how long ranks still running get before their group is destroyed
 #: under them (unsticks a gloo collective), and before we stop waiting for them at all.
 _ABORT_AFTER = 0.15
+_ABORT_ANYWAY = 0.5
 _STOP_PATIENCE = 5.0
 #: Pipe capacity for a rank's stdout/stderr: output printed between calls waits there.
 _PIPE_SIZE = 1 << 20
@@ -163,6 +169,7 @@ class Session:
             raise ValueError(f"gpus={self._gpus} names {len(self._gpus)} GPUs for {n} ranks: give one per rank")
         self._backend = backend
         self.closed = False
+        self._gone = threading.Event()  # set when close() has ended every rank
         self._members: dict[int, _Member] = {}
         self._ids = itertools.count(1)
         self._call_lock = threading.Lock()
@@ -177,6 +184,8 @@ class Session:
         self._selector.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
         self._relay = OutputRelay(sys.stdout, sys.stderr)
         self._base_env = self._world_env()
+        _sessions.add(self)
+        interrupts.install()  # from the main thread: the stop button then reaches calls on others
         try:
             self._start(list(range(n)))
         except BaseException:
@@ -316,19 +325,47 @@ class Session:
 
     def close(self) -> None:
         """End every rank; when this returns their processes are gone. Idempotent."""
-        if self.closed:
+        with self._flag_lock:
+            first = not self.closed
+            self.closed = True
+        if not first:
+            self._gone.wait()  # another thread is closing it: return when it is done
             return
-        self.closed = True
-        with self._call_lock:
+        try:
+            # Killed before taking the lock: a call running in another thread then ends at once.
             for m in list(self._members.values()):
                 m.process.kill()
-            for m in list(self._members.values()):
-                self._bury(m)
-            self._members.clear()
-            self._selector.close()
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-            self._relay.close(timeout=0)
+            self._wake()
+            with self._call_lock:
+                for m in list(self._members.values()):
+                    self._bury(m)
+                self._members.clear()
+                self._selector.close()
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+                self._relay.close(timeout=0)
+        finally:
+            self._gone.set()
+
+    def _forget_in_child(self) -> None:
+        """In a fork of the caller (a DataLoader worker of the notebook): drop our copies of the
+        ranks' channels, or the ranks would not see the caller die while this child lives."""
+        self.closed = True
+        fds = [self._wake_r, self._wake_w]
+        for m in self._members.values():
+            fds += [m.work.detach(), m.control.detach(), m.out_r, m.err_r]
+            if m.process.death_fd is not None:
+                fds.append(m.process.death_fd)
+        try:
+            fds.append(self._selector.fileno())  # type: ignore[attr-defined]
+        except (AttributeError, ValueError):
+            pass
+        self._members = {}
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def __enter__(self) -> Session:
         return self
@@ -372,10 +409,11 @@ class Session:
         try:
             live_old = [m for m in self._members.values() if m.alive and m.rank not in ranks]
             host = min([m.rank for m in live_old] + ranks)
-            placer = placement.get_placer()
+            placer = placement.get_placer() if ranks else None  # a rebuild starts no template
             common = {"cwd": os.getcwd(), "sys_path": list(sys.path), "argv": list(sys.argv)}
             new = []
             for r in ranks:
+                assert placer is not None
                 m = self._spawn(placer, r)
                 new.append(m)
                 env = dict(self._base_env, RANK=str(r), LOCAL_RANK=str(r), MASTER_PORT=str(port),
@@ -534,12 +572,14 @@ class Session:
             dead = [self._members[r] for r in targets if not self._members[r].alive]
             if dead:
                 raise merge_rank_errors([m.exit_error or RankExitedError(m.rank, None) for m in dead])
+            if self._group_broken:
+                self._rebuild()  # an earlier rebuild failed (or waited for a rank): try again now
             req = next(self._ids)
             members = [self._members[r] for r in targets]
             self._display = display
             with self._flag_lock:
                 self._current, self._interrupt_asked = req, False
-            restore = _take_sigint(self._on_sigint)
+            restore = _take_sigint(self._on_sigint, self)
             self._relay.retarget(sys.stdout, sys.stderr)
             try:
                 for m in members:
@@ -558,6 +598,8 @@ class Session:
         try:
             while True:
                 dead = [m for m in members if not m.alive]
+                if dead and self.closed:
+                    raise SessionClosedError("the Session was closed while this call ran")
                 if dead:
                     self._stop(members, req)
                     raise merge_rank_errors([m.exit_error or RankExitedError(m.rank, None) for m in dead])
@@ -656,8 +698,11 @@ class Session:
                 now = time.monotonic()
                 if now - start > _STOP_PATIENCE:
                     break  # they ignore interrupts: leave them running, their answer is dropped
-                if self.ddp and not aborted and now - start > _ABORT_AFTER \
-                        and any(m.collective for m in running):
+                # Blocked in a collective (seen on its stack), or in C++ that ignores SIGINT for
+                # longer (a DDP backward waiting on its all_reduce): cut the group under it.
+                if self.ddp and not aborted and (
+                        (now - start > _ABORT_AFTER and any(m.collective for m in running))
+                        or now - start > _ABORT_ANYWAY):
                     self._abort_group()
                     aborted = True
                 if now - last_signal > 1.0:  # the user's code may have swallowed one
@@ -850,9 +895,31 @@ class Session:
             pass
 
     def _on_sigint(self) -> None:
-        with self._flag_lock:
-            self._interrupt_asked = True
+        # A signal handler: no lock (the main thread may hold it), a flag and a byte.
+        self._interrupt_asked = True
         self._wake()
+        interrupts.interrupt_other_threads()  # one press stops every call, ranch's included
+
+    def interrupt_from_signal(self) -> None:
+        """The stop button, while this session's call runs on a thread other than the main one
+        (interrupts.py calls this from the main thread's SIGINT handler)."""
+        if self._current != proto.NO_REQUEST:
+            self._interrupt_asked = True
+            self._wake()
+
+
+#: Open sessions of this process, for the fork handler below.
+_sessions: weakref.WeakSet[Session] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for session in list(_sessions):
+        if not session.closed:
+            session._forget_in_child()
+    _sessions.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # -- helpers --------------------------------------------------------------------------------
@@ -903,11 +970,14 @@ def _rss(pid: int) -> Optional[int]:
         return None
 
 
-def _take_sigint(on_sigint: Callable[[], None]) -> Callable[[], None]:
+def _take_sigint(on_sigint: Callable[[], None], session: Session) -> Callable[[], None]:
     """While a call waits: SIGINT (the stop button) sets a flag instead of raising anywhere,
-    so it never cuts a message in half; the wait loop raises KeyboardInterrupt itself."""
+    so it never cuts a message in half; the wait loop raises KeyboardInterrupt itself. On
+    another thread, the main thread's handler reaches us through interrupts.py."""
     if threading.current_thread() is not threading.main_thread():
-        return lambda: None
+        interrupts.install()
+        interrupts.register(session)
+        return lambda: interrupts.unregister(session)
     try:
         old = signal.signal(signal.SIGINT, lambda signum, frame: on_sigint())
     except ValueError:

@@ -117,8 +117,27 @@ def serve(channel: socket.socket, config: dict, fds: list[int]) -> NoReturn:
         with state.lock:
             state.request = NO_REQUEST
         rank_module._flush_stdio()  # what the request printed reaches the caller before its answer
+        _flush_c_stdio()
         _send(channel, reply, reply_fds)
         payload.close_fds(reply_fds)
+        _replaced.clear()
+
+
+_libc: Any = None
+
+
+def _flush_c_stdio() -> None:
+    """C extensions print through C's stdio, which buffers a pipe fully: flush it, or their
+    output would surface in some later cell."""
+    global _libc
+    try:
+        if _libc is None:
+            import ctypes
+
+            _libc = ctypes.CDLL(None)
+        _libc.fflush(None)
+    except (OSError, AttributeError):
+        pass
 
 
 def _send(channel: socket.socket, data: bytes, fds=()) -> None:
@@ -135,6 +154,9 @@ def _on_sigint(state: _State) -> None:
 
 # -- starting: namespace and process group ---------------------------------------------
 
+#: Values a push replaced, kept until its answer is sent.
+_replaced: list = []
+
 #: This rank's group settings, fixed at start (a rebuild only changes the port).
 _group: dict = {}
 
@@ -144,8 +166,9 @@ def _start(namespace: dict, rank: int, session: dict, listen_fd: Optional[int]) 
 
     device = torch.device("cpu")
     gpu = session.get("gpu")
-    if gpu == "auto":  # one GPU per rank when there are enough, as torchrun users expect
-        gpu = rank if torch.cuda.is_available() and rank < torch.cuda.device_count() else None
+    if gpu == "auto":  # one GPU per rank when every rank can have one; else all on CPU (one backend)
+        world = session["world_size"]
+        gpu = rank if torch.cuda.is_available() and torch.cuda.device_count() >= world else None
     if gpu is not None:
         torch.cuda.set_device(gpu)
         device = torch.device("cuda", gpu)
@@ -188,14 +211,21 @@ def _cut_connections(peer_pids: list[int]) -> None:
     the user's own sockets are left alone."""
     mine = _socket_inodes("self")
     theirs: set[str] = set()
+    readable = False
     for pid in peer_pids:
-        theirs |= set(_socket_inodes(str(pid)))
+        found = _socket_inodes(str(pid))
+        readable = readable or found is not None
+        theirs |= set(found or ())
     table = _tcp_table()
     peer_ends = {table[inode][0] for inode in theirs if inode in table}
+    if peer_pids and not readable:
+        # The peers' fds are hidden from us (hidepid, a hardened /proc): every loopback
+        # connection then counts as one to a peer, since all ranks live on this machine.
+        peer_ends = {ends[1] for ends in table.values() if _is_loopback(ends[1])}
     # The store's connections stay: cut, torch prints a C++ stack for each; the group's
     # destruction ends them anyway.
     store = f":{int(os.environ.get('MASTER_PORT', '0') or 0):04X}"
-    for inode, fd in mine.items():
+    for inode, fd in (mine or {}).items():
         ends = table.get(inode)
         if ends is None or ends[1] not in peer_ends or ends[0].endswith(store) or ends[1].endswith(store):
             continue
@@ -211,13 +241,22 @@ def _cut_connections(peer_pids: list[int]) -> None:
             sock.close()
 
 
-def _socket_inodes(pid: str) -> dict[str, int]:
-    """{socket inode: fd} of a process."""
+def _is_loopback(endpoint: str) -> bool:
+    """Is this /proc/net/tcp endpoint (hex address:port) on 127.0.0.0/8 or ::1?"""
+    address = endpoint.split(":")[0]
+    if len(address) == 8:
+        return address.endswith("7F")  # little-endian IPv4: 127.x.y.z
+    return address in ("00000000000000000000000001000000",) or (
+        address.startswith("0000000000000000FFFF0000") and address.endswith("7F"))
+
+
+def _socket_inodes(pid: str) -> Optional[dict[str, int]]:
+    """{socket inode: fd} of a process; None when its fds cannot be read."""
     found: dict[str, int] = {}
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
-        return found
+        return None
     for fd in fds:
         try:
             target = os.readlink(f"/proc/{pid}/fd/{fd}")
@@ -244,14 +283,21 @@ def _tcp_table() -> dict[str, tuple[str, str]]:
     return table
 
 
-def _destroy_group() -> None:
-    """Tear down every process group of this rank (the user's subgroups too)."""
+def _destroy_group(abort: bool = False) -> None:
+    """Tear down every process group of this rank (the user's subgroups too). ``abort``: to
+    unstick a collective; NCCL needs its communicators aborted (its traffic is not ours to
+    cut), gloo's are unstuck by :func:`_cut_connections`."""
     try:
         import torch.distributed as dist
 
         if not dist.is_initialized():
             return
-        dist.destroy_process_group()
+        if abort and _group.get("backend") == "nccl":
+            from torch.distributed import distributed_c10d
+
+            distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
     except Exception:
         pass  # a group torn down by its peers may fail to say goodbye; it is gone either way
 
@@ -272,6 +318,8 @@ def _handle(kind: bytes, req_id: int, body, fds: list[int], namespace: dict, sta
         elif kind == PUSH:
             values = payload.loads(body, fds, private=True)
             fds = []
+            # What the push replaces is freed after the answer (unmapping 64 MB takes ~10 ms).
+            _replaced.extend(namespace[k] for k in values if k in namespace)
             namespace.update(values)
             value = None
         elif kind == PULL:
@@ -422,7 +470,7 @@ def _control_loop(control: socket.socket, state: _State) -> None:
                         signal.pthread_kill(state.main_ident, signal.SIGINT)
             elif kind == ABORT_GROUP:
                 _cut_connections(pickle.loads(_body))
-                _destroy_group()
+                _destroy_group(abort=True)
                 _send(control, pack(ABORTED, req_id))  # the caller rebuilds only after every ack
         request = state.request
         if request != watched:
