@@ -29,17 +29,18 @@ def unused(k: int) -> list[str]:
 
 @pytest.fixture(autouse=True)
 def fresh():
-    def reset():
+    def reset(enabled: bool):
         template.wait_preloaded(timeout=120)  # what the last call set going in the background
         template.shutdown()
         preload._learned.clear()
         preload._failed.clear()
         preload._named.clear()
-        preload._enabled = True
+        preload._enabled = enabled
 
-    reset()
+    was = preload.enabled()  # off for the rest of the suite (conftest): leave it so
+    reset(True)
     yield
-    reset()
+    reset(was)
 
 
 def held_at_start(names: list) -> list[dict]:

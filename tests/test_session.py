@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+import mpify_nb
 from helpers_ranks import start_time
 from mpify_nb import RankStatus, Session
 from mpify_nb.errors import (
@@ -290,8 +291,8 @@ def test_many_calls_leak_no_fds_and_closed_session_refuses(session):
         session.run("1")
 
 
-def test_the_caller_listens_on_no_network_port(session):
-    """Ranks reach the caller only through socketpairs and pipes made before they existed."""
+def _network_sockets_here() -> set[str]:
+    """Inodes of this process's TCP sockets."""
     inodes = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
@@ -300,10 +301,20 @@ def test_the_caller_listens_on_no_network_port(session):
             continue
         if target.startswith("socket:["):
             inodes.add(target[8:-1])
+    tcp: set[str] = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as f:
-            rows = [line.split() for line in f.readlines()[1:]]
-        assert not inodes & {row[9] for row in rows}
+            tcp |= {line.split()[9] for line in f.readlines()[1:]}
+    return inodes & tcp
+
+
+def test_the_caller_listens_on_no_network_port():
+    """Ranks reach the caller only through socketpairs and pipes made before they existed.
+    (Other tests' clients, such as a kernel's zmq sockets, may live here: only new ones count.)"""
+    before = _network_sockets_here()
+    with Session(2) as s:
+        s.run("dist.barrier()")
+        assert _network_sockets_here() - before == set()
 
 
 def test_merge_rank_errors_keeps_different_errors_apart():
@@ -332,6 +343,30 @@ def test_a_figure_drawn_on_a_rank_is_shown_at_the_end_of_the_cell(session):
                 display=lambda rank, bundle: shown.append((rank, sorted(bundle))))
     assert shown == [(0, ["image/png", "text/plain"])]
     assert session.run("len(plt.get_fignums())", ranks=[0]) == {0: 0}  # closed after, as inline does
+
+
+def test_a_figure_is_shown_when_the_template_preloaded_matplotlib():
+    """A notebook that imported matplotlib teaches the template to preload it, with the
+    kernel's backend already read: a Session's rank must still draw into the cell."""
+    pytest.importorskip("matplotlib")
+    from mpify_nb import preload, template
+
+    was = preload.enabled()
+    try:
+        template.shutdown()
+        mpify_nb.set_preload(["matplotlib.pyplot"])
+        assert template.wait_preloaded(timeout=120)
+        with Session(1, ddp=False) as s:
+            assert s.run("import sys\n'matplotlib.pyplot' in sys.modules") == {0: True}  # preloaded
+            shown: list = []
+            s.run("import matplotlib.pyplot as plt\nplt.plot([1, 2])",
+                  display=lambda rank, bundle: shown.append((rank, sorted(bundle))))
+            assert shown == [(0, ["image/png", "text/plain"])]
+    finally:
+        with preload._lock:
+            preload._named.clear()
+        mpify_nb.set_preload(was)
+        template.shutdown()
 
 
 def test_ranks_die_with_their_caller_even_when_it_forked():

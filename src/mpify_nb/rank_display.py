@@ -39,6 +39,12 @@ def install(send: Callable[[dict], None]) -> None:
     current = os.environ.get("MPLBACKEND", "")
     if not current or "inline" in current:
         os.environ["MPLBACKEND"] = BACKEND
+        matplotlib = sys.modules.get("matplotlib")
+        if matplotlib is not None:  # preloaded by the template: it read MPLBACKEND already
+            try:
+                matplotlib.use(BACKEND)
+            except Exception:
+                pass  # figures then go wherever that backend sends them
     if "IPython.core.display_functions" in sys.modules:
         _patch(sys.modules["IPython.core.display_functions"])
     else:
