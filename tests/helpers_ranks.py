@@ -266,12 +266,9 @@ def training_batch(seed: int, r: int):
     return torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
 
 
-def listening_sockets() -> list[str]:
-    """After a barrier (so every rank's sockets are open): the local addresses of the TCP
-    sockets this process listens on, from /proc/net/tcp{,6} filtered by our own inodes."""
-    import torch.distributed as dist
-
-    dist.barrier()
+def own_tcp_sockets() -> list[tuple[str, str, str]]:
+    """This process's TCP sockets as (inode, local address, state) from /proc/net/tcp{,6}
+    (state "0A": listening)."""
     inodes = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
@@ -287,8 +284,18 @@ def listening_sockets() -> list[str]:
             for line in f:
                 parts = line.split()
                 local, state, inode = parts[1], parts[3], parts[9]
-                if state == "0A" and inode in inodes:  # 0A: LISTEN
-                    found.append(_decode_address(local))
+                if inode in inodes:
+                    found.append((inode, _decode_address(local), state))
+    return found
+
+
+def listening_sockets() -> list[str]:
+    """After a barrier (so every rank's sockets are open): the local addresses of the TCP
+    sockets this process listens on."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    found = listening_now()
     dist.barrier()  # nobody closes its sockets before everyone looked
     return found
 
@@ -537,23 +544,7 @@ def aliasing(base, view) -> tuple:
 
 def listening_now() -> list[str]:
     """The local addresses of the TCP sockets this process listens on now (no barrier)."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            next(f)
-            for line in f:
-                parts = line.split()
-                if parts[3] == "0A" and parts[9] in inodes:
-                    found.append(_decode_address(parts[1]))
-    return found
+    return [address for _, address, state in own_tcp_sockets() if state == "0A"]
 
 
 def master_port() -> int:

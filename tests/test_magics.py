@@ -62,15 +62,16 @@ class Ran:
 class Kernel:
     """A real ipykernel, executing cells one at a time through nbclient."""
 
-    def __init__(self, cwd: Path):
+    def __init__(self, cwd: Path, env: Optional[dict] = None, **client_options):
         self.nb = nbformat.v4.new_notebook()
         self._replies: dict[int, dict] = {}
+        client_options.setdefault("kernel_name", "python3")
         self.client = NotebookClient(
-            self.nb, timeout=CELL_TIMEOUT, allow_errors=True, kernel_name="python3",
+            self.nb, timeout=CELL_TIMEOUT, allow_errors=True,
             resources={"metadata": {"path": str(cwd)}},
-            on_cell_executed=self._record,
+            on_cell_executed=self._record, **client_options,
         )
-        self._setup = self.client.setup_kernel()
+        self._setup = self.client.setup_kernel(**({} if env is None else {"env": env}))
         self._setup.__enter__()
 
     def _record(self, cell, cell_index: int, execute_reply: dict) -> None:

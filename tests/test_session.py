@@ -16,7 +16,7 @@ import time
 import pytest
 
 import mpify_nb
-from helpers_ranks import start_time
+from helpers_ranks import own_tcp_sockets, start_time
 from mpify_nb import RankStatus, Session
 from mpify_nb.errors import (
     CollectiveError,
@@ -292,20 +292,7 @@ def test_many_calls_leak_no_fds_and_closed_session_refuses(session):
 
 
 def _network_sockets_here() -> set[str]:
-    """Inodes of this process's TCP sockets."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    tcp: set[str] = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            tcp |= {line.split()[9] for line in f.readlines()[1:]}
-    return inodes & tcp
+    return {inode for inode, _, _ in own_tcp_sockets()}
 
 
 def test_the_caller_listens_on_no_network_port():

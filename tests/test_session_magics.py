@@ -15,7 +15,7 @@ import re
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import pytest
 
@@ -24,11 +24,11 @@ pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 
 from jupyter_core.utils import run_sync  # noqa: E402
-from nbclient import NotebookClient  # noqa: E402
 
 import nbutil  # noqa: E402
 from mpify_nb.magics.auto import route, split_cell  # noqa: E402
 from mpify_nb.magics.session import parse_ranks  # noqa: E402
+from test_magics import Kernel as MagicsKernel  # noqa: E402
 from test_magics import Ran, wait_for_output  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,53 +96,16 @@ def test_parse_ranks_rejects(spec):
 
 # -- a kernel -----------------------------------------------------------------------------------
 
-class Kernel:
-    """A real ipykernel (this interpreter), one cell at a time through nbclient. Its
-    processes carry a marker, so :meth:`close` can check that none outlives it."""
+class Kernel(MagicsKernel):
+    """A real ipykernel (this interpreter), one cell at a time through nbclient (``run``,
+    ``ok``, ``interrupt`` as in test_magics). Its processes carry a marker, so :meth:`close`
+    can check that none outlives it."""
 
     def __init__(self, cwd: Path):
         self.marker = uuid.uuid4().hex
-        self.nb = nbformat.v4.new_notebook()
-        self._replies: dict[int, dict] = {}
-        self.client = NotebookClient(
-            self.nb, timeout=CELL_TIMEOUT, allow_errors=True, kernel_name=nbutil.KERNEL_NAME,
-            kernel_manager_class=nbutil.VenvKernelManager, resources={"metadata": {"path": str(cwd)}},
-            on_cell_executed=self._record,
-        )
         env = dict(os.environ, **{nbutil.MARKER_VAR: self.marker, "PYDEVD_DISABLE_FILE_VALIDATION": "1"})
-        self._setup = self.client.setup_kernel(env=env)
-        self._setup.__enter__()
-
-    def _record(self, cell, cell_index: int, execute_reply: dict) -> None:
-        self._replies[cell_index] = execute_reply
-
-    def run(self, source: str, during: Optional[Callable] = None) -> Ran:
-        import threading
-
-        cell = nbformat.v4.new_code_cell(source)
-        self.nb.cells.append(cell)
-        index = len(self.nb.cells) - 1
-        failures: list[BaseException] = []
-        watcher = None
-        if during is not None:
-            def target():
-                try:
-                    during(cell)
-                except BaseException as e:
-                    failures.append(e)
-            watcher = threading.Thread(target=target, daemon=True)
-            watcher.start()
-        self.client.execute_cell(cell, index)
-        if watcher is not None:
-            watcher.join(timeout=CELL_TIMEOUT)
-        if failures:
-            raise failures[0]
-        return Ran(cell, self._replies[index])
-
-    def ok(self, source: str) -> Ran:
-        ran = self.run(source)
-        assert ran.ok, f"cell failed: {source!r}\n{ran.outputs}"
-        return ran
+        super().__init__(cwd, env=env, kernel_name=nbutil.KERNEL_NAME,
+                         kernel_manager_class=nbutil.VenvKernelManager)
 
     def fails(self, source: str, ename: str) -> Ran:
         ran = self.run(source)
@@ -155,9 +118,6 @@ class Kernel:
         import ast
 
         return ast.literal_eval(self.ok(f"%%local\nprint(repr({expression}))").stream("stdout").strip())
-
-    def interrupt(self) -> None:
-        run_sync(self.client.km.interrupt_kernel)()
 
     def close(self) -> None:
         self._setup.__exit__(None, None, None)
