@@ -443,3 +443,28 @@ def pack_result(value: Any) -> tuple[bytes, list[int]]:
 
 def unpack_result(data, fds) -> Any:
     return loads(data, fds, private=False)
+
+
+def lend_names(fn: Any, names: dict) -> None:
+    """A function shipped by value brings a globals dict of its own (the names it used where
+    it was defined). Let it, and the shipped functions it reaches, also see ``names`` (a
+    rank's ``__main__`` after need=/imports=, a Session rank's namespace) for the names it
+    did not bring, never overriding one it did. Functions of real modules (imported on the
+    rank by name) are left alone: their module is not ours to change."""
+    import types
+
+    seen: set[int] = set()
+    stack = [fn]
+    while stack:
+        f = stack.pop()
+        f = getattr(f, "__func__", getattr(f, "func", f))  # bound methods, functools.partial
+        glob = getattr(f, "__globals__", None)
+        if glob is None or glob is names or id(glob) in seen:
+            continue
+        module = sys.modules.get(getattr(f, "__module__", None) or "")
+        if module is not None and getattr(module, "__dict__", None) is glob:
+            continue
+        seen.add(id(glob))
+        for name, value in names.items():
+            glob.setdefault(name, value)
+        stack.extend(v for v in list(glob.values()) if isinstance(v, types.FunctionType))

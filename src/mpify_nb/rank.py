@@ -87,7 +87,7 @@ def main(channel_fd: int, expected_parent: int) -> None:
         if imports:
             exec(compile(imports, "<imports>", "exec"), main_dict)
         if needed or imports:
-            _share_main_names(fn, main_dict)
+            payload.lend_names(fn, main_dict)
         setup_hook = getattr(ctx, "_mpify_rank_setup", None)
         if setup_hook is not None:
             setup_hook()
@@ -148,24 +148,6 @@ def _apply(config: dict) -> None:
             sys.modules["torch"].set_num_threads(int(threads))
         except ValueError:
             pass
-
-
-def _share_main_names(fn, main_dict: dict) -> None:
-    """need= and imports= define names in this rank's __main__. A notebook function travels
-    with a globals dict of its own (the names it used in the notebook), so give it, and the
-    notebook functions it reaches, those names too, without overriding what it brought."""
-    seen: set[int] = set()
-    stack = [fn]
-    while stack:
-        f = stack.pop()
-        f = getattr(f, "__func__", getattr(f, "func", f))  # bound methods, functools.partial
-        glob = getattr(f, "__globals__", None)
-        if glob is None or glob is main_dict or id(glob) in seen or getattr(f, "__module__", None) != "__main__":
-            continue
-        seen.add(id(glob))
-        for name, value in main_dict.items():
-            glob.setdefault(name, value)
-        stack.extend(v for v in glob.values() if isinstance(v, types.FunctionType))
 
 
 def _send_failure(channel, exc: BaseException, context: str = "") -> None:

@@ -313,7 +313,7 @@ def _handle(kind: bytes, req_id: int, body, fds: list[int], namespace: dict, sta
         elif kind == APPLY:
             fn, args, kwargs, _ctx, _needed, _imports = payload.unpack_call(body, fds)
             fds = []
-            _see_namespace(fn, namespace)
+            payload.lend_names(fn, namespace)
             value = _in_user_code(state, fn, *args, **kwargs)
         elif kind == PUSH:
             values = payload.loads(body, fds, private=True)
@@ -352,30 +352,6 @@ def _handle(kind: bytes, req_id: int, body, fds: list[int], namespace: dict, sta
         # Not picklable (a generator, an open file...): its repr still tells the user what it is.
         data, out_fds = payload.pack_result((RemoteRepr(_safe_repr(value)), meta))
     return pack(DONE, req_id, data), out_fds
-
-
-def _see_namespace(fn, namespace: dict) -> None:
-    """A function shipped by value brings a globals dict of its own (the names it used where
-    it was defined). Let it, and the shipped functions it reaches, also see this rank's
-    namespace (``rank``, ``model``...) for the names it did not bring. Functions of real
-    modules (imported here by name) are left alone: their module is not ours to change."""
-    import types
-
-    seen: set[int] = set()
-    stack = [fn]
-    while stack:
-        f = stack.pop()
-        f = getattr(f, "__func__", getattr(f, "func", f))  # bound methods, functools.partial
-        glob = getattr(f, "__globals__", None)
-        if glob is None or glob is namespace or id(glob) in seen:
-            continue
-        module = sys.modules.get(getattr(f, "__module__", None) or "")
-        if module is not None and getattr(module, "__dict__", None) is glob:
-            continue
-        seen.add(id(glob))
-        for name, value in namespace.items():
-            glob.setdefault(name, value)
-        stack.extend(v for v in list(glob.values()) if isinstance(v, types.FunctionType))
 
 
 def _in_user_code(state: _State, fn, *args, **kwargs):
