@@ -504,16 +504,6 @@ class Session:
         self._group_broken = True
         raise merge_rank_errors(errors)
 
-    def _unwatch(self, *objs: Any) -> None:
-        """Stop selecting on these (None and what is not registered are skipped)."""
-        for obj in objs:
-            if obj is None:
-                continue
-            try:
-                self._selector.unregister(obj)
-            except (KeyError, ValueError):
-                pass
-
     def _bury(self, m: _Member) -> None:
         """Make sure ``m``'s process is gone, then let go of everything that was its."""
         m.process.kill()
@@ -526,7 +516,7 @@ class Session:
         except OSError:
             pass
         self._relay.forget([m.out_r, m.err_r])
-        self._unwatch(m.work, m.control, m.out_r, m.err_r, m.process.death_fd)
+        self._unregister(m.work, m.control, m.out_r, m.err_r, m.process.death_fd)
         if m.answer is not None:
             payload.close_fds(m.answer[2])
         m.work.close()
@@ -844,7 +834,7 @@ class Session:
                 m.answer, m.req = (kind, bytes(body), fds), proto.NO_REQUEST
             else:
                 payload.close_fds(fds)
-        self._unwatch(m.work, m.control, m.process.death_fd)
+        self._unregister(m.work, m.control, m.process.death_fd)
         m.process.wait_gone(2.0)
         code = m.process.exit_code(timeout=2.0)
         m.exit_error = RankExitedError(m.rank, code, m.process.death_detail())
@@ -874,11 +864,15 @@ class Session:
         for line in str(text).splitlines() or [""]:
             print(f"[rank {rank}] {line}")
 
-    def _unregister(self, obj: Any) -> None:
-        try:
-            self._selector.unregister(obj)
-        except (KeyError, ValueError):
-            pass
+    def _unregister(self, *objs: Any) -> None:
+        """Stop selecting on these (None and what is not registered are skipped)."""
+        for obj in objs:
+            if obj is None:
+                continue
+            try:
+                self._selector.unregister(obj)
+            except (KeyError, ValueError):
+                pass
 
     def _send_control(self, m: _Member, kind: bytes, req: int, body: bytes = b"") -> None:
         try:
