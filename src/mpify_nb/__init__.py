@@ -11,7 +11,7 @@ launcher.py     ranch(): the call from start to teardown, the watch over ranks
 interrupts.py   the stop button for calls on threads other than the main one
 session.py      Session: persistent ranks across calls (session_rank.py: their serve loop)
 payload.py      packing the call and the results (dill, shared-memory tensors)
-placement.py    where a rank starts (the seam): template fork or fresh spawn
+placement.py    where a rank starts (the seam): template fork, fresh spawn, or Ray (ray_ranks.py)
 template.py     the warm process ranks are forked from
 preload.py      what the template comes to hold: the modules ranks need
 rank.py         what a rank does from birth to exit
@@ -31,7 +31,8 @@ from .decorator import distributed
 from .errors import PayloadError, RankError, RankExitedError, RankRaisedError
 from .imports import import_star
 from .launcher import ranch
-from .placement import get_start_method, set_start_method
+from . import placement
+from .placement import get_placement, get_start_method, set_placement, set_start_method
 from .preload import set_preload
 from .session import RankStatus, Session
 
@@ -51,6 +52,9 @@ __all__ = [
     "PayloadError",
     "set_start_method",
     "get_start_method",
+    "set_placement",
+    "get_placement",
+    "placement",
     "set_preload",
 ]
 

@@ -297,9 +297,11 @@ class _Call:
         relay = OutputRelay(sys.stdout, sys.stderr)
         values: list = [None] * self.nprocs
         watcher: Optional[threading.Thread] = None
+        placer = placement.get_placer()
         try:
-            env = self._world_env()
-            self._start_ranks(packed, env, relay)
+            layout = placer.reserve(self.nprocs, self.caller_rank, self._time_left())
+            env = self._world_env(layout)
+            self._start_ranks(placer, layout, packed, env, relay)
             relay.start()
             self._watch(until=lambda: all(r.ready or r.done for r in self.ranks.values()))
             if self.failure is None and not self.interrupted:
@@ -315,7 +317,8 @@ class _Call:
                                                name="mpify_nb-watch", daemon=True)
                     watcher.start()
                     try:
-                        values[self.caller_rank] = self._run_own_rank(fn, args, kwargs, ctx, env)
+                        own_env = dict(env, **self._rank_env(self.caller_rank, layout))
+                        values[self.caller_rank] = self._run_own_rank(fn, args, kwargs, ctx, own_env)
                     finally:
                         self.finished = True
                         self._wake()
@@ -332,6 +335,7 @@ class _Call:
             self.finished = True
             self._stop_all()
             self._reap()
+            placer.release()
             packed.close_later()
             relay.close()
             self.selector.close()
@@ -343,29 +347,37 @@ class _Call:
             state.disarm_ended_ddp(values)
             self._learn_imports()
 
-    def _world_env(self) -> dict:
+    def _world_env(self, layout: placement.Layout) -> dict:
+        """The variables every rank gets alike; _rank_env() adds each one's own."""
         store_rank = next((r for r in range(self.nprocs) if r != self.caller_rank), 0)
         env = {
             "WORLD_SIZE": str(self.nprocs),
-            "LOCAL_WORLD_SIZE": str(self.nprocs),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(_free_port()),
+            "MASTER_ADDR": layout.master_addr,
+            "MASTER_PORT": str(layout.master_port),
             # The rendezvous store lives in a spawned rank: killing the ranks then
             # frees a caller blocked in the rendezvous (see ddp.py).
             "MPIFY_NB_STORE_RANK": str(store_rank),
         }
-        env.update(libraries.torchrun_env(self.nprocs))  # GROUP_RANK, OMP_NUM_THREADS=1... unless set
-        # All ranks are on this machine: keep gloo/NCCL sockets on loopback.
-        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-            if name not in os.environ:
-                env[name] = "lo"
+        env.update(libraries.torchrun_env(self.nprocs))  # ROLE_*, OMP_NUM_THREADS=1... unless set
+        if "GROUP_WORLD_SIZE" in env:
+            env["GROUP_WORLD_SIZE"] = str(len(layout.order()))
+        return env
+
+    def _rank_env(self, rank: int, layout: placement.Layout) -> dict:
+        env = {"RANK": str(rank), **libraries.torchrun_rank_env(rank)}
+        env.update({k: v for k, v in layout.rank_env(rank).items()
+                    if k != "GROUP_RANK" or "GROUP_RANK" not in os.environ})
+        interface = layout.interfaces.get(rank)
+        if interface:  # gloo/NCCL on the NIC that holds this rank's node address, unless the user chose
+            env.update({name: interface for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+                        if name not in os.environ})
         return env
 
     # -- starting ranks ------------------------------------------------------------------
 
-    def _start_ranks(self, packed: payload.PackedCall, env: dict, relay: OutputRelay) -> None:
-        placer = placement.get_placer()
-        base = dict(os.environ)
+    def _start_ranks(self, placer: placement.Placer, layout: placement.Layout, packed: payload.PackedCall,
+                     env: dict, relay: OutputRelay) -> None:
+        base = dict(os.environ) if placer.ships_environ else {}
         base.update(env)
         common = {"cwd": os.getcwd(), "sys_path": list(sys.path), "argv": list(sys.argv)}
         for r in range(self.nprocs):
@@ -390,7 +402,7 @@ class _Call:
             if process.death_fd is not None:
                 self.selector.register(process.death_fd, selectors.EVENT_READ, ("death", r))
         for r, handle in self.ranks.items():
-            rank_env = dict(base, RANK=str(r), LOCAL_RANK=str(r), **libraries.torchrun_rank_env(r))
+            rank_env = dict(base, **self._rank_env(r, layout))
             setup = pickle.dumps(dict(common, rank=r, env=rank_env))
             try:
                 wire.send(handle.channel, setup)
@@ -551,7 +563,7 @@ class _Call:
         run() raises the root cause once it has heard from every rank."""
         rank = self.caller_rank
         assert rank is not None
-        os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), **libraries.torchrun_rank_env(rank))
+        os.environ.update(env)
         libraries.apply_thread_env(env)  # a torchrun rank starts with these threads
         restore_signals = self._take_sigint() if self.on_main_thread else None
         try:
@@ -580,9 +592,12 @@ class _Call:
         except BaseException as e:
             # Is this the echo of a peer's failure (e.g. "Connection closed by peer")?
             # Then the peer's own report is on its way: give it a moment.
-            if self.failure is None and self._some_rank_stirred():
+            if self.failure is None:
+                # A rank on another host is seen to die only once its link says so: wait that long.
+                patience = 2.0 if self._some_rank_stirred() else max(
+                    (r.process.death_latency for r in self.ranks.values() if not r.done), default=0.0)
                 with self.cond:
-                    self.cond.wait_for(lambda: self.failure is not None or self.interrupted, timeout=2.0)
+                    self.cond.wait_for(lambda: self.failure is not None or self.interrupted, timeout=patience)
             failure = RemoteFailure.capture(e, lambda exc: None).to_error(rank, payload.loads)
             failure.__cause__ = e
             self._fail(failure)
@@ -683,12 +698,7 @@ class _Call:
         for handle in self.ranks.values():
             if handle.process.exit_code(timeout=5.0) is None:
                 handle.process.wait_gone(timeout=5.0)  # e.g. its template died: no exit code
-            # A rank that was killed could not end what it started; its process group can
-            # be (a rank leads its own). The group's id is not reused while a member lives.
-            try:
-                os.killpg(handle.process.pid, signal.SIGKILL)
-            except OSError:
-                pass
+            handle.process.kill_leftovers()  # a rank that was killed could not end what it started
             handle.close()
 
 
@@ -791,10 +801,7 @@ class _CallerState:
 
 
 def _free_port() -> int:
-    """A TCP port free on loopback now. Each call gets its own, so calls never collide."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return placement.free_port("127.0.0.1")
 
 
 __all__ = ["ranch", "PayloadError", "RankError"]

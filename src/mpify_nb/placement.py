@@ -5,26 +5,41 @@ process and hands back a ``RankProcess``: its pid, a way to kill it, a file
 descriptor that becomes readable when it dies, and its exit code. The launcher
 knows nothing else about where ranks live.
 
-Two placers today, both on this machine:
+Before starting anything the launcher asks the placer to ``reserve`` the whole
+world: the placer answers with a ``Layout`` (which node each rank lands on, hence
+``LOCAL_RANK``, ``GROUP_RANK``, ``MASTER_ADDR``/``MASTER_PORT``), and ``release``
+gives back what it reserved once the call is over.
+
+Three placers:
 
 * ``TemplatePlacer`` (default): ranks are forked from the warm template process
   (see template.py): tens of milliseconds per call.
 * ``SpawnPlacer``: each rank is a brand-new interpreter (``python -c``): seconds
   per call, since each imports torch, but it shares nothing with anything.
+* ``RayPlacer`` (ray_ranks.py): ranks on the nodes of a Ray cluster, the caller
+  still a rank on its own node.
 
-Choose with ``mpify_nb.set_start_method("template" | "spawn")`` or the
-environment variable ``MPIFY_NB_START_METHOD``. A placer for other hosts (Ray
-actors) fits the same seam.
+On this machine choose with ``mpify_nb.set_start_method("template" | "spawn")`` or
+the environment variable ``MPIFY_NB_START_METHOD``; across machines with
+``mpify_nb.set_placement("ray", ...)``, or for one block::
+
+    with mpify_nb.placement("ray", num_cpus=2):
+        ranch(4, train)
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
-from typing import Optional, Protocol
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol
 
 from . import template
 
@@ -48,32 +63,166 @@ def get_start_method() -> str:
     return _start_method
 
 
+# -- where ranks go: this machine, or a Ray cluster -----------------------------------------
+
+PLACEMENTS = ("local", "ray")
+_placement: str = "local"
+_ray_options: Any = None  # ray_ranks.RayOptions while placement is "ray"
+
+
+def set_placement(kind: str = "local", **options: Any) -> None:
+    """Place every later call's ranks on this machine (``"local"``, the default) or on a Ray
+    cluster (``"ray"``); the caller stays a rank, in this process.
+
+    ``"ray"`` options: ``address`` (None: the cluster this process is connected to, else
+    ``ray.init(address="auto")``, else a new local one), ``num_cpus=1``, ``num_gpus=0`` and
+    ``resources`` (per rank), ``strategy="SPREAD"`` (a Ray placement-group strategy).
+    Needs Ray: ``pip install "mpify_nb[ray]"``.
+
+    >>> import mpify_nb
+    >>> mpify_nb.set_placement("ray", num_cpus=1)   # ranch(...) now places ranks on the cluster
+    >>> mpify_nb.set_placement("local")             # back to this machine
+    """
+    global _placement, _ray_options
+    if kind not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, not {kind!r}")
+    if kind == "local":
+        if options:
+            raise TypeError(f"set_placement('local') takes no options, got {sorted(options)}")
+        _placement, _ray_options = "local", None
+        return
+    from . import ray_ranks
+
+    new_options = ray_ranks.RayOptions.make(**options)  # checks them, connects to the cluster
+    _placement, _ray_options = "ray", new_options
+
+
+def get_placement() -> str:
+    """``"local"`` or ``"ray"``: where the next call's ranks go."""
+    return _placement
+
+
+@contextlib.contextmanager
+def _placement_block(kind: str, **options: Any) -> Iterator[None]:
+    global _placement, _ray_options
+    saved = (_placement, _ray_options)
+    set_placement(kind, **options)
+    try:
+        yield
+    finally:
+        _placement, _ray_options = saved
+
+
+class _CallableModule(types.ModuleType):
+    """``mpify_nb.placement("ray", ...)`` is a ``with`` block that places the calls inside it,
+    while ``mpify_nb.placement`` stays this module: a function of that name in the package
+    would shadow the module for every ``from . import placement``."""
+
+    def __call__(self, kind: str, **options: Any) -> contextlib.AbstractContextManager[None]:
+        """``with mpify_nb.placement("ray", num_cpus=2): ranch(4, train)``: the calls in the
+        block place their ranks as ``set_placement`` would; the previous placement after."""
+        return _placement_block(kind, **options)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
+
+# -- the world a call reserves --------------------------------------------------------------
+
+@dataclass
+class Layout:
+    """Where each rank of one call runs, and what torch needs to know of it."""
+
+    nodes: dict[int, str]  # rank -> address of its node
+    master_addr: str
+    master_port: int
+    interfaces: dict[int, str] = field(default_factory=dict)  # rank -> NIC holding its node's address
+
+    @classmethod
+    def on_this_machine(cls, nprocs: int) -> Layout:
+        return cls({r: "127.0.0.1" for r in range(nprocs)}, "127.0.0.1", free_port("127.0.0.1"),
+                   {r: "lo" for r in range(nprocs)})  # all on one machine: gloo/NCCL on loopback
+
+    def order(self) -> list[str]:
+        """The call's nodes, in order of their lowest rank: GROUP_RANK is the index here."""
+        seen: list[str] = []
+        for r in sorted(self.nodes):
+            if self.nodes[r] not in seen:
+                seen.append(self.nodes[r])
+        return seen
+
+    def rank_env(self, rank: int) -> dict[str, str]:
+        """LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (torchrun's meaning: ranks grouped by node)."""
+        node = self.nodes[rank]
+        mates = sorted(r for r, n in self.nodes.items() if n == node)
+        return {"LOCAL_RANK": str(mates.index(rank)), "LOCAL_WORLD_SIZE": str(len(mates)),
+                "GROUP_RANK": str(self.order().index(node))}
+
+
+def free_port(address: str) -> int:
+    """A TCP port free on ``address`` now. Each call gets its own, so calls never collide."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
 class RankProcess(Protocol):
     pid: int
     death_fd: Optional[int]  # readable once the process has ended (a pidfd); None if unavailable
+    death_latency: float  # seconds between its death and death_fd turning readable, at worst
 
     def kill(self) -> None: ...
     def wait_gone(self, timeout: float) -> bool: ...
     def exit_code(self, timeout: float) -> Optional[int]: ...
     def death_detail(self) -> str: ...  # why it died, when its placer knows ("" otherwise)
+    def kill_leftovers(self) -> None: ...  # once it is gone: what it started and left behind
     def close(self) -> None: ...
 
 
 class Placer(Protocol):
+    #: Ranks start with the caller's os.environ (plus the world's variables): true on this
+    #: machine; on another host a rank keeps its own environment (PATH, CUDA_VISIBLE_DEVICES...).
+    ships_environ: bool
+
+    def reserve(self, nprocs: int, caller_rank: Optional[int], timeout: Optional[float]) -> Layout:
+        """Reserve room for every rank (all or none) and say where each lands."""
+        ...
+
     def start(self, rank: int, channel_fd: int, stdout_fd: int, stderr_fd: int,
               timeout: Optional[float] = None) -> RankProcess:
         """Start ``rank``; raise TimeoutError if it cannot be started within ``timeout`` s."""
         ...
 
+    def release(self) -> None:
+        """The call is over: give back what ``reserve`` took."""
+        ...
+
 
 def get_placer() -> Placer:
+    if _placement == "ray":
+        from . import ray_ranks
+
+        return ray_ranks.RayPlacer(_ray_options)
     if _start_method not in START_METHODS:
         raise ValueError(f"MPIFY_NB_START_METHOD must be one of {START_METHODS}, not {_start_method!r}")
     return TemplatePlacer() if _start_method == "template" else SpawnPlacer()
 
 
+class _OnThisMachine:
+    ships_environ = True
+
+    def reserve(self, nprocs: int, caller_rank: Optional[int], timeout: Optional[float]) -> Layout:
+        return Layout.on_this_machine(nprocs)
+
+    def release(self) -> None:
+        pass
+
+
 class _Pidfd:
     """Kill and watch a process by pidfd, immune to pid reuse."""
+
+    death_latency = 0.0  # a pidfd is readable the moment the process is gone
 
     def __init__(self, pid: int):
         self.pid = pid
@@ -105,6 +254,13 @@ class _Pidfd:
     def death_detail(self) -> str:
         return ""
 
+    def kill_leftovers(self) -> None:
+        # A rank leads its own process group; its id is not reused while a member lives.
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except OSError:
+            pass
+
 
 class _ForkedRank(_Pidfd):
     def __init__(self, client: template.TemplateClient, pid: int):
@@ -123,7 +279,7 @@ class _ForkedRank(_Pidfd):
         return f"the template process it was forked from (pid {self._client.pid}) died, and its ranks with it"
 
 
-class TemplatePlacer:
+class TemplatePlacer(_OnThisMachine):
     def __init__(self) -> None:
         self._client = template.get_template()
 
@@ -163,7 +319,7 @@ class _SpawnedRank(_Pidfd):
             return None
 
 
-class SpawnPlacer:
+class SpawnPlacer(_OnThisMachine):
     def start(self, rank: int, channel_fd: int, stdout_fd: int, stderr_fd: int,
               timeout: Optional[float] = None) -> RankProcess:
         proc = subprocess.Popen(

@@ -1,0 +1,831 @@
+"""Ranks on a Ray cluster: the placer behind ``set_placement("ray")``.
+
+Ray does what a cluster manager does (which nodes, their resources, starting and
+killing work there, moving big objects, authentication); everything else is the
+one-machine path: the rank runs ``rank.main`` in a process forked on its node,
+and the caller's launcher, payload, relay and errors see a rank like any other::
+
+    caller (notebook = Ray driver, rank 0)                  Ray worker on a node (a task)
+    --------------------------------------                  -----------------------------
+    reserve(): one placement group, a bundle per rank ──>   (all bundles, or none)
+      where they landed -> LOCAL_RANK, GROUP_RANK, MASTER_ADDR/PORT
+    start(r): a bridge holds rank r's channel end
+      launcher sends setup + call to the bridge
+      memfds -> ray.put, once per call ──── object store ─> ray.get, into memfds (per node: one transfer)
+      submit _serve_rank in bundle r ─────────────────────> connects back: TCP to the caller, token first
+                                                             forks the rank (rank.main, as on one machine)
+      channel / stdout / stderr  <══ frames over the link ══ rank's channel, stdout, stderr
+    kill(): close the link ─────────────────────────────>  SIGKILL the rank and its process group
+             (no answer within 3 s: ray.cancel(force=True))  the task returns; the worker stays warm
+    release(): remove the placement group
+
+Why tasks and not actors: an actor is a new worker process for every call, which
+imports torch again (7-10 s per call measured here); a task runs on one of Ray's
+pooled workers, which keeps torch imported between calls (0.09 s). Nothing of
+ours outlives a call: no actor, no placement group, no rank process; the idle
+worker belongs to Ray's pool, as after any Ray task.
+
+The link is a TCP connection from the worker to the caller's node address (never
+0.0.0.0), on a port open only during the call; the first 32 bytes a connection
+sends must be the call's random token, which travels to the worker inside Ray's
+own (authenticated) task submission. Nothing is unpickled before that check.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hmac
+import mmap
+import os
+import pickle
+import secrets
+import select
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from . import payload, placement, wire
+
+_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+#: Seconds a call without a timeout waits for the cluster to find room for its ranks.
+_PLACEMENT_PATIENCE = 120.0
+#: Seconds a killed rank's worker has to confirm it is gone before Ray kills the worker.
+_KILL_GRACE = 3.0
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ImportError('set_placement("ray") needs Ray: pip install "mpify_nb[ray]"') from None
+    return ray
+
+
+@dataclass
+class RayOptions:
+    """What set_placement("ray", ...) was given, checked."""
+
+    address: Optional[str] = None
+    num_cpus: float = 1
+    num_gpus: float = 0
+    resources: dict[str, float] = field(default_factory=dict)
+    strategy: str = "SPREAD"
+
+    @classmethod
+    def make(cls, address: Optional[str] = None, num_cpus: float = 1, num_gpus: float = 0,
+             resources: Optional[dict[str, float]] = None, strategy: str = "SPREAD") -> RayOptions:
+        for name, value in (("num_cpus", num_cpus), ("num_gpus", num_gpus)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"set_placement('ray'): {name} must be a number >= 0, not {value!r}")
+        resources = dict(resources or {})
+        for name, value in resources.items():
+            if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or value < 0:
+                raise ValueError(f"set_placement('ray'): resources must map names to numbers >= 0, "
+                                 f"not {name!r}: {value!r}")
+        if strategy not in _STRATEGIES:
+            raise ValueError(f"set_placement('ray'): strategy must be one of {_STRATEGIES}, not {strategy!r}")
+        if address is not None and address.startswith("ray://"):
+            raise ValueError(
+                "set_placement('ray'): Ray Client addresses (ray://...) are not supported: the ranks talk "
+                "back to this process, which must run on a node of the cluster. Run the notebook on the "
+                "head node (or any node) and pass the cluster's address, or None")
+        options = cls(address, num_cpus, num_gpus, resources, strategy)
+        connect(address)
+        return options
+
+    def bundle(self) -> dict[str, float]:
+        wanted = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
+        return {k: float(v) for k, v in wanted.items() if v}
+
+
+def connect(address: Optional[str]) -> None:
+    """Join the cluster: the one this process already joined, else ``address``, else a
+    running one (``address="auto"``), else a new local one."""
+    ray = _import_ray()
+    # Ray's driver replaces builtins.print by a function of its own once a worker's log line
+    # arrives, and dill cannot walk that function's globals (they recurse): every later call
+    # would fail to pickle a notebook function that prints. Ray's switch for it:
+    os.environ.setdefault("RAY_TQDM_PATCH_PRINT", "0")
+    if ray.is_initialized():
+        return
+    if address is not None:
+        ray.init(address=address)
+        return
+    try:
+        ray.init(address="auto")
+    except ConnectionError:
+        ray.init()
+
+
+# -- the caller's side ----------------------------------------------------------------------
+
+class RayPlacer:
+    """Places one call's ranks (all but the caller's) on the cluster; see the module docstring."""
+
+    ships_environ = False  # a rank on another node keeps its node's environment
+
+    def __init__(self, options: RayOptions):
+        self._ray = _import_ray()
+        self.options = options
+        self._pg: Any = None
+        self._pg_free_before: dict[str, float] = {}
+        self._bundle_of: dict[int, int] = {}  # rank -> bundle index
+        self._layout: Optional[placement.Layout] = None
+        self._token = secrets.token_bytes(32)
+        self._listener: Optional[socket.socket] = None
+        self._ranks: dict[int, _RayRank] = {}
+        self._lock = threading.Lock()
+        self._puts: dict[tuple[int, int], Any] = {}  # (st_dev, st_ino) of a memfd -> its ObjectRef
+        self._released = False
+        self._threads: list[threading.Thread] = []
+
+    # -- reserve ---------------------------------------------------------------------------
+
+    def reserve(self, nprocs: int, caller_rank: Optional[int], timeout: Optional[float]) -> placement.Layout:
+        ray = self._ray
+        connect(self.options.address)
+        from ray.util.placement_group import placement_group, placement_group_table
+
+        others = [r for r in range(nprocs) if r != caller_rank]
+        here = ray.util.get_node_ip_address()
+        nodes: dict[int, str] = {} if caller_rank is None else {caller_rank: here}
+        if others:
+            bundle = self.options.bundle()
+            self._check_feasible(len(others), bundle)
+            _wait_for_last_release(bundle)
+            self._pg_free_before = ray.available_resources()
+            self._pg = placement_group([dict(bundle) for _ in others], strategy=self.options.strategy,
+                                       name=f"mpify_nb-{os.getpid()}-{self._token[:4].hex()}")
+            patience = _PLACEMENT_PATIENCE if timeout is None else timeout
+            ready, _ = ray.wait([self._pg.ready()], timeout=patience)
+            if not ready:
+                self.release()
+                raise TimeoutError(
+                    f"the Ray cluster found no room for {len(others)} rank(s) of {bundle} each "
+                    f"(strategy {self.options.strategy}) within {patience:g} s; free now: "
+                    f"{_rounded(ray.available_resources())}")
+            address_of = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+            landed = {b: address_of.get(node, "?")
+                      for b, node in placement_group_table(self._pg)["bundles_to_node_id"].items()}
+            # Ranks grouped by host (the caller's first), so LOCAL_RANK/GROUP_RANK mean what torchrun's do.
+            order = [here] + [landed[b] for b in sorted(landed) if landed[b] != here]
+            bundles = sorted(landed, key=lambda b: (order.index(landed[b]), b))
+            for r, b in zip(others, bundles):
+                self._bundle_of[r] = b
+                nodes[r] = landed[b]
+        store_rank = others[0] if others else 0
+        master = nodes.get(store_rank, here)
+        port = self._free_port_on(store_rank, master) if others else placement.free_port(here)
+        interfaces = {} if caller_rank is None else {caller_rank: interface_of(here) or ""}
+        self._layout = placement.Layout(nodes, master, port, {r: i for r, i in interfaces.items() if i})
+        if others:
+            self._listen(here)
+        return self._layout
+
+    def _check_feasible(self, count: int, bundle: dict[str, float]) -> None:
+        """Fail at once, naming the numbers, when the cluster could never hold the ranks."""
+        ray = self._ray
+        fits = []
+        for node in ray.nodes():
+            if not node.get("Alive"):
+                continue
+            have = node.get("Resources", {})
+            fits.append(min((int(have.get(k, 0) // v) for k, v in bundle.items() if v), default=count))
+        strict = self.options.strategy == "STRICT_SPREAD"
+        room = sum(min(f, 1) for f in fits) if strict else sum(fits)
+        if self.options.strategy == "STRICT_PACK":
+            room = max(fits, default=0)
+        if room < count:
+            raise ValueError(
+                f"the Ray cluster cannot hold {count} rank(s) of {bundle} each (strategy "
+                f"{self.options.strategy}): its {len(fits)} node(s) have room for {room}. "
+                f"Ask for fewer ranks or fewer resources per rank (set_placement('ray', num_cpus=...)). "
+                f"Cluster total: {_rounded(ray.cluster_resources())}")
+
+    def _free_port_on(self, rank: int, address: str) -> int:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        probe = self._ray.remote(_free_port_here).options(
+            num_cpus=0, max_retries=0, runtime_env=_WORKER_ENV,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, self._bundle_of[rank]))
+        return self._ray.get(probe.remote(address), timeout=60)
+
+    def _listen(self, address: str) -> None:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        listener.bind((address, 0))
+        listener.listen(64)
+        self._listener = listener
+        self._spawn(self._accept, "mpify_nb-ray-accept")
+
+    def _spawn(self, target, name: str, *args) -> None:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    # -- start -----------------------------------------------------------------------------
+
+    def start(self, rank: int, channel_fd: int, stdout_fd: int, stderr_fd: int,
+              timeout: Optional[float] = None) -> placement.RankProcess:
+        assert self._layout is not None, "reserve() first"
+        handle = _RayRank(self, rank, self._layout.nodes[rank], channel_fd, stdout_fd, stderr_fd)
+        with self._lock:
+            self._ranks[rank] = handle
+        self._spawn(handle.bridge, f"mpify_nb-ray-rank{rank}")
+        return handle
+
+    def submit(self, handle: _RayRank, setup: bytes | bytearray, call: bytes | bytearray, fds: list[int]) -> Any:
+        """Start ``handle``'s rank on its bundle; its call's memfds go through the object store."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        refs = [self._put(fd) for fd in fds]
+        assert self._listener is not None
+        host, port = self._listener.getsockname()[:2]
+        task = self._ray.remote(_serve_rank).options(
+            num_cpus=self.options.num_cpus, num_gpus=self.options.num_gpus,
+            resources=self.options.resources or None, max_retries=0, runtime_env=_WORKER_ENV,
+            name=f"mpify_nb rank {handle.rank}",
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, self._bundle_of[handle.rank]))
+        return task.remote(host, port, self._token, handle.rank, bytes(setup), bytes(call), refs)
+
+    def _put(self, fd: int) -> Any:
+        """The object holding memfd ``fd``'s bytes: put once per call, whichever rank asks first."""
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino)
+        with self._lock:
+            ref = self._puts.get(key)
+            if ref is None:
+                ref = self._ray.put(_read_memfd(fd))
+                self._puts[key] = ref
+        return ref
+
+    def _accept(self) -> None:
+        listener = self._listener
+        assert listener is not None
+        while not self._released:
+            try:
+                sock, _ = listener.accept()
+            except OSError:
+                return  # closed by release()
+            threading.Thread(target=self._greet, args=(sock,), name="mpify_nb-ray-greet", daemon=True).start()
+
+    def _greet(self, sock: socket.socket) -> None:
+        """The first bytes of a link: the call's token, the rank, the rank's pid. Anything else: closed."""
+        try:
+            sock.settimeout(10.0)
+            hello = wire._recv_exact(sock, 32 + 8)
+            sock.settimeout(None)
+        except (OSError, EOFError):
+            sock.close()
+            return
+        if not hmac.compare_digest(bytes(hello[:32]), self._token):
+            sock.close()
+            return
+        rank, pid = struct.unpack("!II", hello[32:])
+        with self._lock:
+            handle = self._ranks.get(rank)
+        if handle is None or not handle.attach(sock, pid):
+            sock.close()
+
+    # -- release ---------------------------------------------------------------------------
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._listener.close()
+        for handle in list(self._ranks.values()):
+            handle.kill()
+            handle.ended.wait(_KILL_GRACE + 2.0)
+        # Wait until each task has returned its worker to Ray's pool: a call that came before
+        # that would find the worker busy, and Ray would start (and import torch in) a new one.
+        tasks = [h._task for h in self._ranks.values() if h._task is not None]
+        if tasks:
+            self._ray.wait(tasks, num_returns=len(tasks), timeout=_KILL_GRACE)
+        if self._pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self._pg)  # Ray kills whatever still runs in it
+                _note_release(self._ray, self._pg_free_before)
+            except Exception:
+                pass
+            self._pg = None
+        self._puts.clear()
+
+
+#: What the last call's removed placement group gives back: (when, resources free before it).
+_last_release: Optional[tuple[float, dict[str, float]]] = None
+
+
+def _note_release(ray: Any, free_before: dict[str, float]) -> None:
+    global _last_release
+    _last_release = (time.monotonic(), free_before)
+
+
+def _wait_for_last_release(bundle: dict[str, float]) -> None:
+    """A placement group asked for before the cluster has taken back the last one's resources
+    is retried by Ray after a back-off (about 0.8 s per call measured here, calls in a loop).
+    Wait, briefly, until they are back: then Ray places the new one at once."""
+    global _last_release
+    if _last_release is None:
+        return
+    since, free_before = _last_release
+    _last_release = None
+    ray = _import_ray()
+    deadline = since + 1.0
+    while time.monotonic() < deadline:
+        free = ray.available_resources()
+        if all(free.get(k, 0.0) >= free_before.get(k, 0.0) - 1e-6 for k in bundle):
+            return
+        time.sleep(0.005)
+
+
+def _rounded(resources: dict) -> dict:
+    return {k: round(v, 2) for k, v in resources.items() if not k.startswith("node:") and "memory" not in k}
+
+
+class _RayRank:
+    """The caller's handle on one rank placed by Ray (a ``placement.RankProcess``)."""
+
+    #: Its link reports the death of its worker or node within this (a peer's collective may fail sooner).
+    death_latency = 1.0
+
+    def __init__(self, placer: RayPlacer, rank: int, node: str, channel_fd: int, stdout_fd: int, stderr_fd: int):
+        self.placer = placer
+        self.rank = rank
+        self.node = node
+        self.pid = 0  # the rank's pid on its node, once it called back
+        self._channel = socket.socket(fileno=os.dup(channel_fd))
+        self._out, self._err = os.dup(stdout_fd), os.dup(stderr_fd)
+        self._death_r, self._death_w = os.pipe2(os.O_CLOEXEC)
+        self.death_fd: Optional[int] = self._death_r
+        self.ended = threading.Event()
+        self._cond = threading.Condition()
+        self._link: Optional[socket.socket] = None
+        self._task: Any = None
+        self._killed = False
+        self._death_signalled = False
+        self._code: Optional[int] = None
+        self._detail = ""
+
+    # -- the bridge ------------------------------------------------------------------------
+
+    def bridge(self) -> None:
+        """Take the setup and the call, start the task, then carry the channel both ways."""
+        try:
+            setup = wire.recv(self._channel)
+            call = wire.recv(self._channel) if setup is not None else None
+            if setup is None or call is None:
+                return  # the launcher gave up before sending the call
+            try:
+                self._task = self.placer.submit(self, setup[0], call[0], call[1])
+            finally:
+                payload.close_fds(call[1])
+            self.placer._spawn(self._watch_task, f"mpify_nb-ray-task{self.rank}")
+            with self._cond:
+                self._cond.wait_for(lambda: self._link is not None or self._killed or self.ended.is_set())
+                link = self._link
+            if link is None:
+                return
+            self.placer._spawn(self._from_rank, f"mpify_nb-ray-from{self.rank}", link)
+            while True:  # launcher -> rank
+                message = wire.recv(self._channel)
+                if message is None:
+                    break
+                data, fds = message
+                try:
+                    _send_frame(link, b"m", [data, *(_read_memfd(fd) for fd in fds)])
+                finally:
+                    payload.close_fds(fds)
+        except Exception as e:
+            if not self._killed:
+                self._end(f"its link to the caller broke: {type(e).__name__}: {e}")
+        finally:
+            if self._link is None and self._task is None:
+                self._end("")
+
+    def attach(self, link: socket.socket, pid: int) -> bool:
+        with self._cond:
+            if self._link is not None or self._killed or self.ended.is_set():
+                return False
+            self._link, self.pid = link, pid
+            self._cond.notify_all()
+        return True
+
+    def _from_rank(self, link: socket.socket) -> None:
+        """Rank -> caller: output into the relay's pipes, messages into the launcher's channel."""
+        try:
+            while True:
+                frame = _recv_frame(link)
+                if frame is None:
+                    break
+                kind, parts = frame
+                if kind == b"o":
+                    _write_all(self._out, parts[0])
+                elif kind == b"e":
+                    _write_all(self._err, parts[0])
+                elif kind == b"m":
+                    fds = [payload._memfd_of(memoryview(p).cast("B")) for p in parts[1:]]
+                    try:
+                        wire.send(self._channel, parts[0], fds)
+                    finally:
+                        payload.close_fds(fds)
+                elif kind == b"x":  # the last frame: the rank has exited
+                    self._code = struct.unpack("!i", parts[0])[0]
+                    break
+        except (OSError, EOFError, ConnectionError):
+            pass
+        detail = ""
+        if self._code is None and not self._killed and self._task is not None:
+            self._signal_death()  # the launcher learns now; exit_code() and death_detail() wait for Ray
+            try:  # the link broke without an exit code: Ray knows why (worker or node died)
+                self.placer._ray.get(self._task, timeout=2.0)
+            except Exception as e:
+                detail = _explain(e, self.node)
+        self._end(detail)
+
+    def _watch_task(self) -> None:
+        """The task's own end: how a worker or node that died, or a task that never started, is seen."""
+        ray = self.placer._ray
+        detail = ""
+        try:
+            ray.get(self._task)
+        except Exception as e:
+            if not self._killed:
+                detail = _explain(e, self.node)
+        with self._cond:
+            linked = self._link is not None
+        if detail or not linked:
+            self._end(detail)
+
+    def _end(self, detail: str) -> None:
+        """The rank is gone: the launcher sees its channel close and its death fd turn readable."""
+        with self._cond:
+            if self.ended.is_set():
+                return
+            if detail:
+                self._detail = detail
+            self.ended.set()
+            self._cond.notify_all()
+            link = self._link
+        if link is not None:
+            try:
+                link.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            link.close()
+        for close in (self._channel.close, lambda: os.close(self._out), lambda: os.close(self._err)):
+            try:
+                close()
+            except OSError:
+                pass
+        self._signal_death()
+
+    def _signal_death(self) -> None:
+        with self._cond:
+            if self.death_fd is not None and not self._death_signalled:
+                self._death_signalled = True
+                os.write(self._death_w, b"x")
+
+    # -- placement.RankProcess -------------------------------------------------------------
+
+    def kill(self) -> None:
+        with self._cond:
+            if self._killed:
+                return
+            self._killed = True
+            self._cond.notify_all()
+            link, task = self._link, self._task
+        if link is not None:
+            try:
+                link.shutdown(socket.SHUT_RDWR)  # the worker kills the rank and its group at once
+            except OSError:
+                pass
+        if task is not None:
+            threading.Thread(target=self._make_sure, args=(task,), name="mpify_nb-ray-kill", daemon=True).start()
+        else:
+            self._end("")
+
+    def _make_sure(self, task: Any) -> None:
+        ray = self.placer._ray
+        done, _ = ray.wait([task], timeout=_KILL_GRACE)
+        if not done:  # a worker that does not answer: Ray kills the worker process
+            try:
+                ray.cancel(task, force=True)
+            except Exception:
+                pass
+            ray.wait([task], timeout=_KILL_GRACE)
+        self._end("")
+
+    def wait_gone(self, timeout: float) -> bool:
+        return self.ended.wait(timeout)
+
+    def exit_code(self, timeout: float) -> Optional[int]:
+        self.ended.wait(timeout)
+        return self._code
+
+    def death_detail(self) -> str:
+        where = f"on node {self.node}" + (f" (pid {self.pid})" if self.pid else "")
+        return f"{where}: {self._detail}" if self._detail else where
+
+    def kill_leftovers(self) -> None:
+        pass  # its worker killed the rank's process group (on its node) before answering
+
+    def close(self) -> None:
+        with self._cond:
+            if self.death_fd is None:
+                return
+            self.death_fd = None
+            os.close(self._death_r)
+            os.close(self._death_w)
+
+
+def _explain(error: BaseException, node: str) -> str:
+    name = type(error).__name__
+    text = str(error).strip().splitlines()
+    first = next((line for line in text if line.strip()), "")
+    if "NodeDied" in name or "node" in first.lower() and "died" in first.lower():
+        return f"its node {node} left the Ray cluster ({name})"
+    if "WorkerCrashed" in name or "ActorDied" in name:
+        return f"the Ray worker process hosting it on {node} died ({name}: {first[:200]})"
+    return f"its Ray task failed: {name}: {first[:300]}"
+
+
+# -- frames on the link ----------------------------------------------------------------------
+# kind (1 byte), number of parts (4), each part's length (8 each), then the parts.
+#   h: unused  m: a channel message (data, then one part per memfd)  o/e: stdout/stderr bytes
+#   x: the rank's exit code
+
+def _send_frame(sock: socket.socket, kind: bytes, parts: Sequence[Any]) -> None:
+    sizes = [memoryview(p).nbytes for p in parts]
+    sock.sendall(kind + struct.pack(f"!I{len(parts)}Q", len(parts), *sizes))
+    for part in parts:
+        if len(part):
+            sock.sendall(part)
+
+
+def _recv_frame(sock: socket.socket) -> Optional[tuple[bytes, list]]:
+    head = sock.recv(5)
+    if not head:
+        return None
+    if len(head) < 5:
+        head += wire._recv_exact(sock, 5 - len(head))
+    kind, count = head[:1], struct.unpack("!I", head[1:])[0]
+    sizes = struct.unpack(f"!{count}Q", wire._recv_exact(sock, 8 * count)) if count else ()
+    return kind, [wire._recv_exact(sock, n) if n else b"" for n in sizes]
+
+
+def _read_memfd(fd: int):
+    """A memfd's bytes as a read-only buffer (numpy when it is there: Ray stores those without a copy)."""
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return b""
+    view = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    try:
+        import numpy
+
+        return numpy.frombuffer(view, dtype=numpy.uint8)
+    except ImportError:
+        return memoryview(view)
+
+
+def _write_all(fd: int, data) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+# -- the worker's side -------------------------------------------------------------------------
+
+#: Our package imported in a Ray worker must not start a template of its own.
+_WORKER_ENV = {"env_vars": {"MPIFY_NB_CHILD": "1", "MPIFY_NB_PREWARM": "0"}}
+
+
+def _free_port_here(address: str) -> int:
+    return placement.free_port(address)
+
+
+def _serve_rank(caller: str, port: int, token: bytes, rank: int, setup: bytes, call: bytes, refs: list) -> int:
+    """A Ray task: run rank ``rank`` in a process forked here, relaying it to the caller over one
+    TCP link, until it exits or the caller drops the link. Returns the rank's exit code."""
+    import ray
+
+    try:
+        import torch  # noqa: F401  (the rank is forked from here: this worker keeps torch for the next call)
+    except ImportError:
+        pass
+    link = socket.create_connection((caller, port), timeout=30)
+    link.settimeout(None)
+    fds = [payload._memfd_of(memoryview(a).cast("B")) for a in ray.get(refs)] if refs else []
+    config = pickle.loads(setup)
+    _adapt(config, ray.util.get_node_ip_address())
+    ours, theirs = wire.socketpair()
+    out_r, out_w = os.pipe2(os.O_CLOEXEC)
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    me = os.getpid()
+    pid = os.fork()
+    if pid == 0:  # the rank
+        try:
+            os.dup2(out_w, 1)
+            os.dup2(err_w, 2)
+            for fd in (out_r, err_r, out_w, err_w, ours.fileno(), link.fileno()):
+                os.close(fd)
+            from . import rank as rank_module
+
+            rank_module.main(theirs.detach(), me)
+        finally:
+            os._exit(1)
+    for fd in (out_w, err_w):
+        os.close(fd)
+    theirs.close()
+    pidfd = os.pidfd_open(pid)
+    try:
+        link.sendall(token + struct.pack("!II", rank, pid))
+        try:
+            wire.send(ours, pickle.dumps(config))
+            wire.send(ours, call, fds)
+        except OSError:
+            pass  # it died at birth; its exit code says how
+        finally:
+            payload.close_fds(fds)
+        child = _Child(pid, pidfd)
+        threading.Thread(target=_to_rank, args=(link, ours, child), name="mpify_nb-from-caller", daemon=True).start()
+        return _from_rank_loop(link, ours, out_r, err_r, child)
+    finally:
+        with child_lock:
+            os.close(pidfd)
+        for fd in (out_r, err_r):
+            os.close(fd)
+        ours.close()
+        try:
+            link.shutdown(socket.SHUT_RDWR)  # a close() alone sends no FIN while _to_rank blocks in recv
+        except OSError:
+            pass
+        link.close()
+
+
+def _adapt(config: dict, node_address: str) -> None:
+    """The caller's setup, made right for this node: this node's environment under the call's
+    variables, the caller's sys.path entries that exist here, gloo on this node's NIC."""
+    env = dict(os.environ)
+    env.update(config["env"])
+    interface = interface_of(node_address)
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if interface and name not in config["env"]:
+            env[name] = interface
+    config["env"] = env
+    theirs = [p for p in config["sys_path"] if p == "" or os.path.isdir(p)]
+    config["sys_path"] = theirs + [p for p in sys.path if p not in theirs]
+    if not os.path.isdir(config["cwd"]):
+        config["cwd"] = os.getcwd()
+
+
+child_lock = threading.Lock()
+
+
+class _Child:
+    """The rank process this worker forked; killed by pidfd, so never another process that
+    reuses its pid once it has been reaped."""
+
+    def __init__(self, pid: int, pidfd: int):
+        self.pid, self.pidfd = pid, pidfd
+        self.reaped = False
+
+    def kill(self) -> None:
+        with child_lock:
+            if self.reaped:
+                return
+            try:
+                os.killpg(self.pid, signal.SIGKILL)  # it leads its own group (rank.main) ...
+            except OSError:
+                pass
+            try:
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)  # ... or not yet
+            except OSError:
+                pass
+
+    def reap(self) -> int:
+        _, status = os.waitpid(self.pid, 0)
+        with child_lock:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)  # what it left in its group; the id is not
+            except OSError:                          # reused while a member lives
+                pass
+            self.reaped = True
+        return os.waitstatus_to_exitcode(status)
+
+
+def _to_rank(link: socket.socket, channel: socket.socket, child: _Child) -> None:
+    """Caller -> rank. The caller closing the link means: stop now (it failed, or was interrupted)."""
+    try:
+        while True:
+            frame = _recv_frame(link)
+            if frame is None:
+                break
+            _kind, parts = frame
+            fds = [payload._memfd_of(memoryview(p).cast("B")) for p in parts[1:]]
+            try:
+                wire.send(channel, parts[0], fds)
+            finally:
+                payload.close_fds(fds)
+    except (OSError, EOFError, ConnectionError):
+        pass
+    child.kill()
+
+
+def _from_rank_loop(link: socket.socket, channel: socket.socket, out_r: int, err_r: int, child: _Child) -> int:
+    """Rank -> caller until the rank has exited; then its exit code, last."""
+    channel_open = True
+    pidfd = child.pidfd
+    try:
+        while True:
+            watch = [out_r, err_r, pidfd] + ([channel] if channel_open else [])
+            ready = select.select(watch, [], [])[0]
+            # Output first: a rank flushes it before sending its value, so it arrives first.
+            for fd, kind in ((out_r, b"o"), (err_r, b"e")):
+                if fd in ready:
+                    _relay_pipe(link, fd, kind)
+            if channel_open and channel in ready:
+                channel_open = _relay_message(link, channel)
+            if pidfd in ready:
+                break
+        for fd, kind in ((out_r, b"o"), (err_r, b"e")):
+            _relay_pipe(link, fd, kind)
+        while channel_open:  # what it sent just before it exited (its value)
+            channel_open = _relay_message(link, channel)
+        code = child.reap()
+        _send_frame(link, b"x", [struct.pack("!i", code)])
+        return code
+    except (OSError, EOFError, ConnectionError):
+        child.kill()
+        try:
+            return child.reap()
+        except ChildProcessError:
+            return -signal.SIGKILL
+
+
+def _relay_message(link: socket.socket, channel: socket.socket) -> bool:
+    """One message from the rank to the caller; False when the rank closed its end."""
+    message = wire.recv(channel)
+    if message is None:
+        return False
+    data, fds = message
+    try:
+        _send_frame(link, b"m", [data, *(_read_memfd(fd) for fd in fds)])
+    finally:
+        payload.close_fds(fds)
+    return True
+
+
+def _relay_pipe(link: socket.socket, fd: int, kind: bytes) -> None:
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+    while True:
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return
+        if not chunk:
+            return
+        _send_frame(link, kind, [chunk])
+
+
+# -- network interfaces ------------------------------------------------------------------------
+
+def interface_of(address: str) -> Optional[str]:
+    """The name of the network interface whose IPv4 network holds ``address`` (e.g. "lo" for
+    127.0.0.2, "eth0" for the node's LAN address); None when none does (or for IPv6)."""
+    try:
+        wanted = struct.unpack("!I", socket.inet_aton(address))[0]
+    except OSError:
+        return None
+    best: Optional[tuple[int, str]] = None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _index, name in socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                addr = fcntl.ioctl(s.fileno(), 0x8915, request)[20:24]  # SIOCGIFADDR
+                mask = fcntl.ioctl(s.fileno(), 0x891B, request)[20:24]  # SIOCGIFNETMASK
+            except OSError:
+                continue
+            a, m = struct.unpack("!I", addr)[0], struct.unpack("!I", mask)[0]
+            if a & m == wanted & m and (best is None or m > best[0]):
+                best = (m, name)  # the narrowest network that holds it
+    return best[1] if best else None
+
+
+__all__ = ["RayOptions", "RayPlacer", "interface_of"]

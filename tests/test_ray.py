@@ -1,0 +1,361 @@
+"""Ranks on a Ray cluster (set_placement("ray")): a real multi-node Ray cluster on this machine.
+
+The head has no CPUs, so no rank can land beside the caller; two worker nodes on distinct
+loopback addresses (127.0.0.2 and 127.0.0.3) hold one rank each. The cluster is started
+once for the module with ``ray.cluster_utils.Cluster`` and shut down by it (by pid, never
+``ray stop``). The test that removes a node runs last.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="the Ray tests need Ray: pip install 'mpify_nb[ray]'")
+
+import torch  # noqa: E402
+
+import mpify_nb  # noqa: E402
+from mpify_nb import RankExitedError, RankRaisedError, in_torchddp, ranch  # noqa: E402
+from mpify_nb.ray_ranks import interface_of  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+HEAD, NODES = "127.0.0.4", ("127.0.0.2", "127.0.0.3")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True,
+                head_node_args={"num_cpus": 0, "node_ip_address": HEAD, "include_dashboard": False})
+    nodes = [c.add_node(num_cpus=1, node_ip_address=address) for address in NODES]
+    try:
+        mpify_nb.set_placement("ray", address=c.address)
+        ranch(3, _where)  # the first call on a worker imports torch there: not any test's business
+        yield c, nodes
+    finally:
+        mpify_nb.set_placement("local")
+        ray.shutdown()
+        c.shutdown()
+
+
+@pytest.fixture
+def on_ray(cluster):
+    mpify_nb.set_placement("ray", address=cluster[0].address)
+    yield cluster
+    mpify_nb.set_placement("local")
+
+
+def _where():
+    keys = ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "WORLD_SIZE",
+            "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")
+    return {k: os.environ.get(k) for k in keys} | {"pid": os.getpid(), "ppid": os.getppid()}
+
+
+def _allreduce(x):
+    import torch.distributed as dist
+
+    t = torch.ones(2) * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    print(f"rank {dist.get_rank()} of {dist.get_world_size()} got {t.tolist()}")
+    return t + x
+
+
+def _pg_states() -> list[str]:
+    from ray.util import placement_group_table
+
+    return [pg["state"] for pg in placement_group_table().values()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _assert_nothing_left(pids=()) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        left = [p for p in pids if _alive(p)]
+        pending = [s for s in _pg_states() if s != "REMOVED"]
+        if not left and not pending:
+            break
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)], "rank processes outlived the call"
+    assert all(s == "REMOVED" for s in _pg_states()), _pg_states()
+    assert os.environ.get("RANK") is None and os.environ.get("MASTER_ADDR") is None
+    assert not torch.distributed.is_initialized()
+
+
+def test_ddp_allreduce_across_two_nodes(on_ray, capsys):
+    out = ranch(3, _allreduce, torch.zeros(2), ctx=in_torchddp())
+    assert [t.tolist() for t in out] == [[6.0, 6.0]] * 3
+    printed = capsys.readouterr().out
+    assert "[rank 1] rank 1 of 3 got [6.0, 6.0]" in printed and "[rank 2] rank 2 of 3 got" in printed
+    assert "(pid=" not in printed  # our labels, not Ray's log lines
+    _assert_nothing_left()
+
+
+def test_env_follows_where_ranks_landed(on_ray):
+    env = ranch(3, _where)
+    me, others = env[0], env[1:]
+    assert [e["RANK"] for e in env] == ["0", "1", "2"]
+    assert me["GROUP_RANK"] == "0" and sorted(e["GROUP_RANK"] for e in others) == ["1", "2"]
+    assert all(e["LOCAL_RANK"] == "0" and e["LOCAL_WORLD_SIZE"] == "1" for e in env)
+    assert all(e["GROUP_WORLD_SIZE"] == "3" and e["WORLD_SIZE"] == "3" for e in env)
+    # The rendezvous store is hosted by rank 1, on its node; every rank is told the same.
+    assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in env}) == 1 and me["MASTER_ADDR"] in NODES
+    assert all(e["GLOO_SOCKET_IFNAME"] == "lo" for e in env)  # the NIC holding 127.0.0.x
+    _assert_nothing_left([e["pid"] for e in others])
+
+
+def test_notebook_model_trains_with_equal_weights(on_ray):
+    class Net(torch.nn.Module):  # defined here, like in a notebook cell: shipped by value
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    def train(steps):
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        torch.manual_seed(0)
+        model = DDP(Net())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(dist.get_rank())
+        for _ in range(steps):
+            x = torch.randn(8, 4, generator=g)
+            loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    weights = ranch(3, train, 5, ctx=in_torchddp())
+    assert all(torch.equal(weights[0], w) for w in weights[1:])
+    assert not torch.equal(weights[0], torch.cat([p.detach().flatten() for p in Net().parameters()]))
+
+
+def test_big_tensors_go_both_ways(on_ray):
+    big = torch.arange(8 * 1024 * 1024, dtype=torch.float32)  # 32 MiB: through the object store
+
+    def work(t):
+        return t[-1].item(), t * 2
+
+    out = ranch(3, work, big)
+    assert [v for v, _ in out] == [big[-1].item()] * 3
+    assert all(torch.equal(t, big * 2) for _, t in out)
+
+
+def test_rank_that_raises(on_ray):
+    def fails(x):
+        import torch.distributed as dist
+
+        if dist.get_rank() == 2:
+            raise ValueError("rank two says no")
+        dist.all_reduce(torch.ones(1))  # the others wait in a collective rank 2 never joins
+        return x
+
+    start = time.monotonic()
+    with pytest.raises(RankRaisedError) as info:
+        ranch(3, fails, 1, ctx=in_torchddp())
+    assert info.value.rank == 2 and "rank two says no" in str(info.value)
+    assert time.monotonic() - start < 30
+    _assert_nothing_left()
+
+
+def test_killed_rank_worker_during_collective(on_ray):
+    """The Ray worker hosting a rank dies (like an actor killed): RankExitedError naming the
+    rank and its node, within seconds; the caller's all_reduce is freed."""
+
+    def stuck(x):
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            print(f"worker {os.getppid()}", flush=True)
+            time.sleep(120)
+        dist.all_reduce(torch.ones(1))
+        return x
+
+    pids: list[int] = []
+
+    def kill_worker_when_printed(capture):
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            text = capture()
+            if "worker " in text:
+                pid = int(text.split("worker ", 1)[1].split()[0])
+                pids.append(pid)
+                os.kill(pid, signal.SIGKILL)
+                return
+            time.sleep(0.05)
+
+    import io
+
+    buffer = io.StringIO()
+    real = sys.stdout
+    sys.stdout = _Tee(real, buffer)
+    killer = threading.Thread(target=kill_worker_when_printed, args=(buffer.getvalue,), daemon=True)
+    killer.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(RankExitedError) as info:
+            ranch(3, stuck, 1, ctx=in_torchddp())
+    finally:
+        sys.stdout = real
+    killer.join(5)
+    assert pids, "rank 1 never printed its worker's pid"
+    assert info.value.rank == 1
+    assert "on node 127.0.0." in str(info.value)
+    assert time.monotonic() - start < 30
+    _assert_nothing_left()
+    assert ranch(3, lambda: 7) == [7, 7, 7]  # the cluster places ranks again (a new worker)
+
+
+class _Tee:
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, text):
+        for s in self.streams:
+            s.write(text)
+        return len(text)
+
+    def flush(self):
+        for s in self.streams:
+            s.flush()
+
+    def isatty(self):
+        return False
+
+
+def test_timeout_stops_remote_ranks(on_ray):
+    def slow():
+        if os.environ["RANK"] != "0":
+            time.sleep(60)
+        return os.getpid()
+
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        ranch(3, slow, timeout=3)
+    assert time.monotonic() - start < 15
+    _assert_nothing_left()
+
+
+def test_fifty_calls_leave_nothing(on_ray):
+    ranch(3, lambda: 0)  # Ray opens what it keeps open on a first use
+    threads, fds = threading.active_count(), len(os.listdir("/proc/self/fd"))
+    pids = []
+    for i in range(50):
+        out = ranch(3, lambda i: (i, os.getpid()), i)
+        assert [v for v, _ in out] == [i] * 3
+        pids += [p for _, p in out[1:]]
+    _assert_nothing_left(pids)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and threading.active_count() > threads:
+        time.sleep(0.1)
+    assert threading.active_count() <= threads
+    fds_after = {fd: _target(fd) for fd in os.listdir("/proc/self/fd")}
+    assert len(fds_after) <= fds + 2, fds_after  # Ray may open a connection of its own
+
+
+def test_bad_options_are_named():
+    pytest.importorskip("ray")
+    with pytest.raises(ValueError, match="num_cpus must be a number >= 0"):
+        mpify_nb.set_placement("ray", num_cpus=-1)
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        mpify_nb.set_placement("ray", strategy="EVERYWHERE")
+    with pytest.raises(ValueError, match="Ray Client"):
+        mpify_nb.set_placement("ray", address="ray://10.0.0.1:10001")
+    with pytest.raises(ValueError, match="placement must be one of"):
+        mpify_nb.set_placement("slurm")
+    with pytest.raises(TypeError, match="takes no options"):
+        mpify_nb.set_placement("local", num_cpus=2)
+    assert mpify_nb.get_placement() == "local"
+
+
+def test_too_many_ranks_fail_at_once(on_ray):
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"cannot hold 3 rank\(s\).*room for 2"):
+        ranch(4, lambda: 0)
+    assert time.monotonic() - start < 5
+    _assert_nothing_left()
+
+
+def test_placement_block_restores(cluster):
+    mpify_nb.set_placement("local")
+    with mpify_nb.placement("ray", address=cluster[0].address):
+        assert mpify_nb.get_placement() == "ray"
+        assert ranch(2, lambda: os.environ["GROUP_WORLD_SIZE"]) == ["2", "2"]
+    assert mpify_nb.get_placement() == "local"
+    assert ranch(2, lambda: os.environ["GROUP_WORLD_SIZE"]) == ["1", "1"]
+
+
+def test_interface_of():
+    assert interface_of("127.0.0.3") == "lo"
+    assert interface_of("203.0.113.77") is None  # TEST-NET-3: held by no interface here
+    assert interface_of("not an address") is None
+
+
+def test_ranch_cell_magic_in_a_kernel(cluster, notebook):
+    """%%ranch 3 --ddp in a real notebook whose calls go to the cluster."""
+    address = cluster[0].address
+    cells = notebook([
+        "import mpify_nb, torch\n%load_ext mpify_nb\n"
+        f"mpify_nb.set_placement('ray', address={address!r})",
+        "%%ranch 3 --ddp\nimport torch.distributed as dist\nt = torch.ones(1) * (dist.get_rank() + 1)\n"
+        "dist.all_reduce(t)\nprint('sum', t.item(), 'group', os.environ['GROUP_RANK'])",
+        "import ray; ray.shutdown()",
+    ], timeout=240)
+    import nbutil
+
+    text = nbutil.stream_text(cells[1])
+    assert "sum 6.0" in text
+    assert "[rank 1] sum 6.0" in text and "[rank 2] sum 6.0" in text
+
+
+def test_node_removed_during_collective(on_ray):
+    """Runs last: a node leaves the cluster while its rank waits in a collective."""
+    c, nodes = on_ray
+
+    def wait_forever(x):
+        import torch.distributed as dist
+
+        if dist.get_rank() != 0:
+            print(f"ready {os.environ['GROUP_RANK']}", flush=True)
+            time.sleep(120)
+        dist.all_reduce(torch.ones(1))
+        return x
+
+    def remove_soon():
+        time.sleep(3)
+        c.remove_node(nodes[1])
+
+    remover = threading.Thread(target=remove_soon, daemon=True)
+    remover.start()
+    start = time.monotonic()
+    with pytest.raises(RankExitedError) as info:
+        ranch(3, wait_forever, 1, ctx=in_torchddp())
+    remover.join(30)
+    assert time.monotonic() - start < 30
+    assert "127.0.0.3" in str(info.value)
+    _assert_nothing_left()
+
+
+def _target(fd: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return "?"
