@@ -315,7 +315,7 @@ def test_ranch_cell_magic_in_a_kernel(cluster, notebook):
     cells = notebook([
         "import mpify_nb, torch\n%load_ext mpify_nb\n"
         f"mpify_nb.set_placement('ray', address={address!r})",
-        "%%ranch 3 --ddp\nimport torch.distributed as dist\nt = torch.ones(1) * (dist.get_rank() + 1)\n"
+        "%%ranch 3 --ddp\nimport os\nimport torch.distributed as dist\nt = torch.ones(1) * (dist.get_rank() + 1)\n"
         "dist.all_reduce(t)\nprint('sum', t.item(), 'group', os.environ['GROUP_RANK'])",
         "import ray; ray.shutdown()",
     ], timeout=240)
@@ -339,17 +339,29 @@ def test_node_removed_during_collective(on_ray):
         dist.all_reduce(torch.ones(1))
         return x
 
-    def remove_soon():
-        time.sleep(3)
+    import io
+
+    buffer = io.StringIO()
+
+    def remove_when_both_ready():
+        deadline = time.monotonic() + 120
+        while buffer.getvalue().count("ready ") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        removed_at.append(time.monotonic())
         c.remove_node(nodes[1])
 
-    remover = threading.Thread(target=remove_soon, daemon=True)
+    removed_at: list[float] = []
+    remover = threading.Thread(target=remove_when_both_ready, daemon=True)
+    real = sys.stdout
+    sys.stdout = _Tee(real, buffer)
     remover.start()
-    start = time.monotonic()
-    with pytest.raises(RankExitedError) as info:
-        ranch(3, wait_forever, 1, ctx=in_torchddp())
+    try:
+        with pytest.raises(RankExitedError) as info:
+            ranch(3, wait_forever, 1, ctx=in_torchddp())
+    finally:
+        sys.stdout = real
     remover.join(30)
-    assert time.monotonic() - start < 30
+    assert removed_at and time.monotonic() - removed_at[0] < 30
     assert "127.0.0.3" in str(info.value)
     _assert_nothing_left()
 
@@ -359,3 +371,8 @@ def _target(fd: str) -> str:
         return os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
         return "?"
+
+
+def test_session_says_it_is_local_only(on_ray):
+    with pytest.raises(NotImplementedError, match="set_placement\\('local'\\)"):
+        mpify_nb.Session(2)

@@ -487,9 +487,13 @@ class _Call:
             handle.done = True
             payload.close_fds(fds)
             failure: RemoteFailure = pickle.loads(body)
-            self._fail(failure.to_error(handle.rank, payload.loads))
+            error = failure.to_error(handle.rank, payload.loads)
+            if not handle.process.shares_clock:
+                error.when = time.monotonic()  # another host's clock: order by when we heard
+            self._fail(error)
 
     def _on_death(self, handle: _Rank) -> None:
+        noticed = time.monotonic()
         if handle.process.death_fd is not None:
             try:
                 self.selector.unregister(handle.process.death_fd)
@@ -501,7 +505,9 @@ class _Call:
         handle.done = True
         if not self.aborting:  # not one of the ranks we killed ourselves
             code = handle.process.exit_code(timeout=2.0)
-            self._fail(RankExitedError(handle.rank, code, handle.process.death_detail()))
+            error = RankExitedError(handle.rank, code, handle.process.death_detail())
+            error.when = noticed  # before the wait: a peer's echo of this death may be timed within it
+            self._fail(error)
 
     def _fail(self, error: BaseException) -> None:
         """Record a failure. The first one stops the call; of several rank failures the

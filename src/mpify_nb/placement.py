@@ -171,6 +171,7 @@ class RankProcess(Protocol):
     pid: int
     death_fd: Optional[int]  # readable once the process has ended (a pidfd); None if unavailable
     death_latency: float  # seconds between its death and death_fd turning readable, at worst
+    shares_clock: bool  # its time.monotonic() is ours (same host): its errors' timestamps compare
 
     def kill(self) -> None: ...
     def wait_gone(self, timeout: float) -> bool: ...
@@ -223,6 +224,7 @@ class _Pidfd:
     """Kill and watch a process by pidfd, immune to pid reuse."""
 
     death_latency = 0.0  # a pidfd is readable the moment the process is gone
+    shares_clock = True
 
     def __init__(self, pid: int):
         self.pid = pid

@@ -58,6 +58,8 @@ _STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _PLACEMENT_PATIENCE = 120.0
 #: Seconds a killed rank's worker has to confirm it is gone before Ray kills the worker.
 _KILL_GRACE = 3.0
+#: Seconds between two looks at which of the call's nodes are still in the cluster.
+_NODE_CHECK = 1.0
 
 
 def _import_ray():
@@ -138,6 +140,7 @@ class RayPlacer:
         self._pg: Any = None
         self._pg_free_before: dict[str, float] = {}
         self._bundle_of: dict[int, int] = {}  # rank -> bundle index
+        self._node_id_of: dict[int, str] = {}  # rank -> Ray node id
         self._layout: Optional[placement.Layout] = None
         self._token = secrets.token_bytes(32)
         self._listener: Optional[socket.socket] = None
@@ -178,17 +181,36 @@ class RayPlacer:
             # Ranks grouped by host (the caller's first), so LOCAL_RANK/GROUP_RANK mean what torchrun's do.
             order = [here] + [landed[b] for b in sorted(landed) if landed[b] != here]
             bundles = sorted(landed, key=lambda b: (order.index(landed[b]), b))
+            node_ids = placement_group_table(self._pg)["bundles_to_node_id"]
             for r, b in zip(others, bundles):
                 self._bundle_of[r] = b
+                self._node_id_of[r] = node_ids[b]
                 nodes[r] = landed[b]
         store_rank = others[0] if others else 0
         master = nodes.get(store_rank, here)
-        port = self._free_port_on(store_rank, master) if others else placement.free_port(here)
+        port = _store_port(here)
         interfaces = {} if caller_rank is None else {caller_rank: interface_of(here) or ""}
         self._layout = placement.Layout(nodes, master, port, {r: i for r, i in interfaces.items() if i})
         if others:
             self._listen(here)
+            self._spawn(self._watch_nodes, "mpify_nb-ray-nodes")
         return self._layout
+
+    def _watch_nodes(self) -> None:
+        """A node that leaves the cluster ends its ranks' part now: its link may never say so
+        (a host that is switched off sends no FIN), and a task not yet started there would wait
+        for Ray to find its bundle a new node, for ever."""
+        while not self._released:
+            time.sleep(_NODE_CHECK)
+            try:
+                alive = {n["NodeID"] for n in self._ray.nodes() if n.get("Alive")}
+            except Exception:
+                continue
+            with self._lock:
+                handles = list(self._ranks.values())
+            for handle in handles:
+                if not handle.ended.is_set() and self._node_id_of.get(handle.rank) not in alive:
+                    handle.node_left()
 
     def _check_feasible(self, count: int, bundle: dict[str, float]) -> None:
         """Fail at once, naming the numbers, when the cluster could never hold the ranks."""
@@ -209,14 +231,6 @@ class RayPlacer:
                 f"{self.options.strategy}): its {len(fits)} node(s) have room for {room}. "
                 f"Ask for fewer ranks or fewer resources per rank (set_placement('ray', num_cpus=...)). "
                 f"Cluster total: {_rounded(ray.cluster_resources())}")
-
-    def _free_port_on(self, rank: int, address: str) -> int:
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        probe = self._ray.remote(_free_port_here).options(
-            num_cpus=0, max_retries=0, runtime_env=_WORKER_ENV,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, self._bundle_of[rank]))
-        return self._ray.get(probe.remote(address), timeout=60)
 
     def _listen(self, address: str) -> None:
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
@@ -327,6 +341,35 @@ class RayPlacer:
         self._puts.clear()
 
 
+def _store_port(here: str) -> int:
+    """MASTER_PORT for a store on another host, chosen without asking that host (a round trip
+    to a worker per call, which Ray may have to start). A port below the kernel's ephemeral
+    range is never handed out for outgoing connections, so only a service listening there
+    can hold it; free here too. If the store's host has one, its rank fails at once with
+    "address already in use", which names the port."""
+    low, _high = _ephemeral_range()
+    for _ in range(100):
+        port = secrets.randbelow(low - 20000) + 20000
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in here else socket.AF_INET) as s:
+                s.bind((here, port))
+            return port
+        except OSError:
+            continue
+    return placement.free_port(here)
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        if low > 20100:
+            return low, high
+    except (OSError, ValueError):
+        pass
+    return 32768, 60999
+
+
 #: What the last call's removed placement group gives back: (when, resources free before it).
 _last_release: Optional[tuple[float, dict[str, float]]] = None
 
@@ -363,6 +406,7 @@ class _RayRank:
 
     #: Its link reports the death of its worker or node within this (a peer's collective may fail sooner).
     death_latency = 1.0
+    shares_clock = False  # its errors' timestamps come from another host's clock
 
     def __init__(self, placer: RayPlacer, rank: int, node: str, channel_fd: int, stdout_fd: int, stderr_fd: int):
         self.placer = placer
@@ -452,10 +496,12 @@ class _RayRank:
         detail = ""
         if self._code is None and not self._killed and self._task is not None:
             self._signal_death()  # the launcher learns now; exit_code() and death_detail() wait for Ray
-            try:  # the link broke without an exit code: Ray knows why (worker or node died)
-                self.placer._ray.get(self._task, timeout=2.0)
+            detail = "its link to the caller broke: its Ray worker or its node died"
+            try:  # Ray may already know which (it learns of a dead node later: not worth waiting for)
+                self.placer._ray.get(self._task, timeout=0.5)
             except Exception as e:
-                detail = _explain(e, self.node)
+                if type(e).__name__ != "GetTimeoutError":
+                    detail = _explain(e, self.node)
         self._end(detail)
 
     def _watch_task(self) -> None:
@@ -500,6 +546,11 @@ class _RayRank:
             if self.death_fd is not None and not self._death_signalled:
                 self._death_signalled = True
                 os.write(self._death_w, b"x")
+
+    def node_left(self) -> None:
+        self._signal_death()
+        self.kill()
+        self._end(f"its node {self.node} left the Ray cluster")
 
     # -- placement.RankProcess -------------------------------------------------------------
 
@@ -613,10 +664,6 @@ def _write_all(fd: int, data) -> None:
 
 #: Our package imported in a Ray worker must not start a template of its own.
 _WORKER_ENV = {"env_vars": {"MPIFY_NB_CHILD": "1", "MPIFY_NB_PREWARM": "0"}}
-
-
-def _free_port_here(address: str) -> int:
-    return placement.free_port(address)
 
 
 def _serve_rank(caller: str, port: int, token: bytes, rank: int, setup: bytes, call: bytes, refs: list) -> int:

@@ -161,6 +161,11 @@ class Session:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be a positive integer, not {n!r}")
         _check_timeout(timeout)
+        if placement.get_placement() != "local":
+            raise NotImplementedError(
+                f"Session: persistent ranks run on this machine only for now, and set_placement("
+                f"{placement.get_placement()!r}) is in effect; call mpify_nb.set_placement('local') first "
+                "(ranch, in_torchddp, @distributed and %%ranch do place their ranks on Ray)")
         self.world_size = n
         self.ddp = bool(ddp)
         self.timeout = timeout

@@ -1,0 +1,117 @@
+#!/usr/bin/env python
+"""Issue 10: ranks on a Ray cluster, side by side with Ray Train, on a 3-node local cluster.
+
+The cluster is started here with ``ray.cluster_utils.Cluster`` (and shut down by it, by
+pid): a head with no CPUs (the caller's node, 127.0.0.4) and two worker nodes of 2 CPUs
+(127.0.0.2, 127.0.0.3), all on this machine.
+
+* warm call: ``ranch(3, fn, ctx=in_torchddp())``, the caller plus 2 ranks on the two worker
+  nodes, one ``all_reduce`` (target <= 1 s), against Ray Train's
+  ``TorchTrainer(fn, scaling_config=ScalingConfig(num_workers=3)).fit()`` with the same
+  function body (target: >= 5x faster). Needs ``pip install "ray[train]"`` for the comparison;
+  without it that figure is skipped.
+* a 256 MB tensor to 2 ranks on one node (``strategy="STRICT_PACK"``), the caller playing no
+  rank, against one local copy of it (``clone()``) (target <= 2x).
+
+Run: ``.venv/bin/python benchmarks/bench_ray.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from _common import Result, finish, fmt_list, fmt_s, machine_line, median, parse_args
+
+
+def allreduce_fn(config=None):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    return t.sum().item()
+
+
+def main() -> int:
+    args = parse_args(__doc__.splitlines()[1])
+    import ray
+    import torch
+    from ray.cluster_utils import Cluster
+
+    import mpify_nb
+    from mpify_nb import in_torchddp, ranch
+
+    print(machine_line())
+    reps = 5 if args.quick else 10
+    results: list[Result] = []
+    t0 = time.perf_counter()
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 0, "node_ip_address": "127.0.0.4", "include_dashboard": False})
+    for address in ("127.0.0.2", "127.0.0.3"):
+        cluster.add_node(num_cpus=2, node_ip_address=address)
+    print(f"cluster up in {time.perf_counter() - t0:.1f} s", flush=True)
+    try:
+        mpify_nb.set_placement("ray", address=cluster.address)
+        t0 = time.perf_counter()
+        ranch(3, allreduce_fn, ctx=in_torchddp())
+        print(f"first call (workers start, import torch): {time.perf_counter() - t0:.1f} s", flush=True)
+        ranch(3, allreduce_fn, ctx=in_torchddp())
+        ours = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            assert ranch(3, allreduce_fn, ctx=in_torchddp()) == [12.0] * 3
+            ours.append(time.perf_counter() - t0)
+        print(f"ranch on Ray, DDP + all_reduce: {fmt_list(ours)}", flush=True)
+        ours_median = median(ours)
+        results.append(Result("10.1", "warm ranch(3) on Ray: DDP + all_reduce, caller + 2 nodes", ours_median, "s",
+                              "<= 1 s", ours_median <= 1.0, fmt_list(ours)))
+
+        try:
+            from ray.train import ScalingConfig
+            from ray.train.torch import TorchTrainer
+        except ImportError:
+            print("Ray Train not installed (pip install 'ray[train]'): comparison skipped", flush=True)
+        else:
+            theirs = []
+            storage = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"mpify_nb-bench-ray-{os.getpid()}")
+            for i in range(max(2, reps // 2)):
+                trainer = TorchTrainer(allreduce_fn, scaling_config=ScalingConfig(num_workers=3),
+                                       run_config=ray.train.RunConfig(storage_path=storage, name=f"run{i}"))
+                t0 = time.perf_counter()
+                trainer.fit()
+                theirs.append(time.perf_counter() - t0)
+            print(f"TorchTrainer.fit(): {fmt_list(theirs)}", flush=True)
+            ratio = median(theirs) / ours_median
+            results.append(Result("10.2", "TorchTrainer.fit() / warm ranch on Ray (same function, same cluster)",
+                                  ratio, "x", ">= 5x", ratio >= 5,
+                                  f"TorchTrainer {fmt_s(median(theirs))} vs ranch {fmt_s(ours_median)}"))
+
+        mpify_nb.set_placement("ray", address=cluster.address, strategy="STRICT_PACK")
+        big = torch.randn(256 * 1024 * 1024 // 4)
+
+        def touch(t):
+            return float(t[-1])
+
+        ranch(2, touch, big, caller_rank=None)  # warm: both ranks' workers on the node
+        copies, sends = [], []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            big.clone()
+            copies.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            assert ranch(2, touch, big, caller_rank=None) == [float(big[-1])] * 2
+            sends.append(time.perf_counter() - t0)
+        ratio = median(sends) / median(copies)
+        print(f"256 MB to 2 ranks on one node: {fmt_list(sends)}; clone(): {fmt_list(copies)}", flush=True)
+        results.append(Result("10.3", "256 MB tensor to 2 Ray ranks on one node / one local clone()", ratio, "x",
+                              "<= 2x", ratio <= 2, f"call {fmt_s(median(sends))} vs clone {fmt_s(median(copies))}"))
+    finally:
+        mpify_nb.set_placement("local")
+        ray.shutdown()
+        cluster.shutdown()
+    return finish("Issue 10: ranks on a Ray cluster", results, args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
