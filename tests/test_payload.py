@@ -169,6 +169,48 @@ def test_small_view_of_a_big_tensor_ships_only_its_bytes():
     assert mpify_nb.ranch(2, hr.as_is, view, caller_rank=None)[0].tolist() == view.tolist()
 
 
+@pytest.fixture
+def four_copy_threads(monkeypatch):
+    """Big tensors copied in 4 pieces (by 4 threads), however many cores this machine has."""
+    monkeypatch.setattr(mpify_nb.payload, "_copy_threads", lambda: 4)
+
+
+def test_a_big_tensor_in_pieces_is_one_tensor_again(four_copy_threads):
+    import numpy as np
+
+    n = (32 << 20) // 4 + 3  # 32 MiB and 12 bytes: 4 pieces, the last one not a whole page
+    t = torch.arange(n, dtype=torch.float32)
+    arr = np.arange(3 << 20, dtype=np.float64)  # 24 MiB: 3 pieces
+    value = {"t": t, "view": t[5:], "arr": arr}
+    data, fds = mpify_nb.payload.dumps(value)
+    assert len(fds) == 7 and len(data) < 4096
+    back = mpify_nb.payload.loads(data, fds, private=True)
+    assert torch.equal(back["t"], t) and torch.equal(back["view"], t[5:]) and np.array_equal(back["arr"], arr)
+    assert back["view"].data_ptr() == back["t"].data_ptr() + 20, "the view lost its aliasing"
+    assert hr.mapping_of(back["t"].data_ptr() + (20 << 20)).startswith("/memfd:mpify_nb-tensor")
+    back["t"] += 1  # copy-on-write: a private mapping's writes stay its own
+    assert float(back["t"][-1]) == n and float(t[-1]) == n - 1
+    del back
+
+
+def test_a_big_tensor_in_pieces_travels_both_ways(four_copy_threads):
+    t = (torch.arange((32 << 20) // 4) % 3).float()  # 32 MiB: 4 pieces; sums exact in float32
+    expected_sum = float(t.sum())
+    for r, (out, where, total) in enumerate(mpify_nb.ranch(2, hr.tensor_plus_rank, t, caller_rank=None)):
+        assert torch.equal(out, t + r) and total == expected_sum
+        assert where is not None and where.startswith("/memfd:"), f"rank {r}: input in {where!r}"
+    assert torch.equal(t, (torch.arange((32 << 20) // 4) % 3).float())
+
+
+def test_pieces_stop_at_the_budget(four_copy_threads, monkeypatch):
+    monkeypatch.setattr(mpify_nb.payload, "_PIECE_BUDGET", 5)  # 5 fds more than one per tensor
+    tensors = [torch.full(((32 << 20) // 4,), float(i)) for i in range(4)]  # 32 MiB: 4 pieces each
+    data, fds = mpify_nb.payload.dumps(tensors)
+    assert len(fds) == 4 + 3 + 1 + 1  # 3 extra, then the last 2, then none
+    back = mpify_nb.payload.loads(data, fds)
+    assert all(torch.equal(a, b) for a, b in zip(back, tensors))
+
+
 @pytest.mark.parametrize("view", ["big", "small"])
 def test_a_tensor_and_its_view_keep_their_aliasing(view):
     base = torch.zeros(1 << 20)  # 4 MiB
