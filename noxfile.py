@@ -36,7 +36,7 @@ def typecheck(session: nox.Session) -> None:
     """pyright over src/ with the settings in pyproject.toml ([tool.pyright])."""
     session.install(TORCH)
     # matplotlib: optional at run time (a Session rank shows figures with it), checked here all the same.
-    session.install("-e", ".", "pyright==1.1.414", "matplotlib")
+    session.install("-e", ".[ray]", "pyright==1.1.414", "matplotlib")
     session.run("pyright", *session.posargs)
 
 

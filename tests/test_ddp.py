@@ -142,6 +142,17 @@ def test_device_for_default(monkeypatch):
     assert TorchDDPCtx().device_for(1) is None
 
 
+def test_device_for_a_rank_given_its_own_gpu(monkeypatch):
+    """On Ray each rank sees only the GPU it was given (CUDA_VISIBLE_DEVICES): device 0, whatever
+    its local rank."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert TorchDDPCtx().device_for(1) == 0
+    assert TorchDDPCtx().device_for(0) == 0
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert TorchDDPCtx().device_for(1) == 1
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="mocks CUDA on a machine without it")
 def test_nccl_chosen_when_a_gpu_is_assigned(scripts):
     """Local rank 1 with gpus="2,3" is put on GPU 3, and the group asked for is nccl (on a CPU

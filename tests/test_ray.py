@@ -21,6 +21,7 @@ ray = pytest.importorskip("ray", reason="the Ray tests need Ray: pip install 'mp
 import torch  # noqa: E402
 
 import mpify_nb  # noqa: E402
+from helpers_ranch import kill_group, start_script  # noqa: E402
 from mpify_nb import RankExitedError, RankRaisedError, in_torchddp, ranch  # noqa: E402
 from mpify_nb.ray_ranks import interface_of  # noqa: E402
 
@@ -376,3 +377,21 @@ def _target(fd: str) -> str:
 def test_session_says_it_is_local_only(on_ray):
     with pytest.raises(NotImplementedError, match="set_placement\\('local'\\)"):
         mpify_nb.Session(2)
+
+
+def test_under_ray_token_authentication():
+    """The cluster with Ray's token authentication on: our ranks work through it (they are Ray
+    tasks, submitted by the authenticated driver), and a driver with a wrong token is refused."""
+    import secrets
+
+    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), "MPIFY_NB_PREWARM": "0"}
+    proc = start_script("ray_token_auth.py", env=env)
+    try:
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            kill_group(proc)
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    assert "values [2.0, 2.0]" in out, out + err[-3000:]
+    assert "intruder refused" in out, out

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import os
 
+from . import placement
 from .ddp import TorchDDPCtx, in_torchddp
 from .decorator import distributed
 from .errors import PayloadError, RankError, RankExitedError, RankRaisedError
 from .imports import import_star
 from .launcher import ranch
-from . import placement
 from .placement import get_placement, get_start_method, set_placement, set_start_method
 from .preload import set_preload
 from .session import RankStatus, Session

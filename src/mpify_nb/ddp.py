@@ -88,6 +88,13 @@ class TorchDDPCtx:
         wants_gpu = self.gpus is not None or self.backend == "nccl"
         if not wants_gpu:
             return
+        from . import placement
+
+        if placement.get_placement() == "ray":
+            if self.gpus is not None:
+                raise ValueError(f"in_torchddp(gpus={self.gpus}) names GPUs of this machine, and the ranks are "
+                                 "placed on a Ray cluster: ask Ray for them with set_placement('ray', num_gpus=1)")
+            return  # the GPUs are on the nodes: Ray's placement group reserves them
         count = torch.cuda.device_count()
         if count == 0:
             raise RuntimeError(f"in_torchddp(backend={self.backend!r}, gpus={self.gpus}) needs CUDA GPUs, "
@@ -119,6 +126,11 @@ class TorchDDPCtx:
         if self.backend not in (None, "nccl"):
             return None
         if self.backend == "nccl" or torch.cuda.is_available():
+            count = torch.cuda.device_count()
+            if 0 < count <= local_rank:
+                # Fewer GPUs visible than the local rank: each rank was given its own (Ray sets
+                # CUDA_VISIBLE_DEVICES per rank), so its GPUs are numbered from 0 here.
+                return local_rank % count
             return local_rank
         return None
 

@@ -5,7 +5,9 @@ Data flow of one call::
     caller (notebook process)                                   rank r (r != caller_rank)
     ------------------------                                    ---------------------------
     pack_call(fn, args, ctx)  ── PayloadError here, before any rank exists
-    placer.start(r) ─────────────────────────────────────────> born (forked from template, or spawned)
+    placer.reserve(world) ── where each rank lands: LOCAL_RANK, GROUP_RANK, MASTER_ADDR/PORT
+    placer.start(r) ─────────────────────────────────────────> born (forked from template, spawned,
+                                                                 or forked on a Ray node: ray_ranks.py)
     send setup + call ───────── socketpair ─────────────────> load call           (rank.py)
     wait for every READY  <──────────────────────────────────  READY
     send GO to all ─────────────────────────────────────────> (no rendezvous before every rank loaded)
@@ -13,7 +15,7 @@ Data flow of one call::
                                         <─── VALUE / ERROR ───  sends its answer, exits
                                         <─── pidfd readable ─── (or dies: signal, segfault, OOM)
     relay thread  <────────────── stdout/stderr pipes ───────  print(...)          (relay.py)
-    gather values; kill stragglers; restore env/cwd/CUDA/torch.distributed
+    gather values; kill stragglers; placer.release(); restore env/cwd/CUDA/torch.distributed
 
 The first failure wins: it is the root cause (the others usually fail because a
 peer vanished). The watch thread then kills every rank at once; a caller blocked

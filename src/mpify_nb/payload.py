@@ -388,7 +388,7 @@ def _map_pieces(fds: list[int], private: bool):
         return torch.frombuffer(buffer, dtype=torch.uint8)  # holds ``buffer`` while it lives
     import numpy
 
-    return numpy.frombuffer(buffer, dtype=numpy.uint8)
+    return numpy.frombuffer(memoryview(buffer), dtype=numpy.uint8)
 
 
 def _lookup_main(qualname: str) -> Any:

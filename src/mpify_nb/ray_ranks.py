@@ -158,13 +158,13 @@ class RayPlacer:
         from ray.util.placement_group import placement_group, placement_group_table
 
         others = [r for r in range(nprocs) if r != caller_rank]
-        here = ray.util.get_node_ip_address()
+        here: str = ray.util.get_node_ip_address()
         nodes: dict[int, str] = {} if caller_rank is None else {caller_rank: here}
         if others:
             bundle = self.options.bundle()
             self._check_feasible(len(others), bundle)
             _wait_for_last_release(bundle)
-            self._pg_free_before = ray.available_resources()
+            self._pg_free_before = {k: float(v) for k, v in ray.available_resources().items()}
             self._pg = placement_group([dict(bundle) for _ in others], strategy=self.options.strategy,
                                        name=f"mpify_nb-{os.getpid()}-{self._token[:4].hex()}")
             patience = _PLACEMENT_PATIENCE if timeout is None else timeout
@@ -187,7 +187,7 @@ class RayPlacer:
                 self._node_id_of[r] = node_ids[b]
                 nodes[r] = landed[b]
         store_rank = others[0] if others else 0
-        master = nodes.get(store_rank, here)
+        master = nodes.get(store_rank) or here
         port = _store_port(here)
         interfaces = {} if caller_rank is None else {caller_rank: interface_of(here) or ""}
         self._layout = placement.Layout(nodes, master, port, {r: i for r, i in interfaces.items() if i})
