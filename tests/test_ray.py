@@ -190,39 +190,47 @@ def test_killed_rank_worker_during_collective(on_ray):
         dist.all_reduce(torch.ones(1))
         return x
 
-    pids: list[int] = []
+    def kill_worker(text):
+        os.kill(int(text.split("worker ", 1)[1].split()[0]), signal.SIGKILL)
 
-    def kill_worker_when_printed(capture):
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            text = capture()
-            if "worker " in text:
-                pid = int(text.split("worker ", 1)[1].split()[0])
-                pids.append(pid)
-                os.kill(pid, signal.SIGKILL)
-                return
-            time.sleep(0.05)
+    error, killed_at = _rank_exits_during(stuck, lambda text: "worker " in text, kill_worker)
+    assert error.rank == 1
+    assert "on node 127.0.0." in str(error)
+    assert time.monotonic() - killed_at < 30
+    _assert_nothing_left()
+    assert ranch(3, lambda: 7) == [7, 7, 7]  # the cluster places ranks again (a new worker)
 
+
+def _rank_exits_during(fn, when_printed, act) -> tuple[RankExitedError, float]:
+    """``ranch(3, fn, 1)`` with DDP; once what the ranks printed satisfies ``when_printed``, a
+    thread calls ``act(printed)``. The call must raise RankExitedError: return it, and when
+    ``act`` ran."""
     import io
 
     buffer = io.StringIO()
+    acted: list[float] = []
+
+    def watch():
+        deadline = time.monotonic() + 120
+        while not when_printed(buffer.getvalue()):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+        acted.append(time.monotonic())
+        act(buffer.getvalue())
+
     real = sys.stdout
     sys.stdout = _Tee(real, buffer)
-    killer = threading.Thread(target=kill_worker_when_printed, args=(buffer.getvalue,), daemon=True)
-    killer.start()
-    start = time.monotonic()
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     try:
         with pytest.raises(RankExitedError) as info:
-            ranch(3, stuck, 1, ctx=in_torchddp())
+            ranch(3, fn, 1, ctx=in_torchddp())
     finally:
         sys.stdout = real
-    killer.join(5)
-    assert pids, "rank 1 never printed its worker's pid"
-    assert info.value.rank == 1
-    assert "on node 127.0.0." in str(info.value)
-    assert time.monotonic() - start < 30
-    _assert_nothing_left()
-    assert ranch(3, lambda: 7) == [7, 7, 7]  # the cluster places ranks again (a new worker)
+    watcher.join(30)
+    assert acted, f"the ranks never printed what the test waits for: {buffer.getvalue()!r}"
+    return info.value, acted[0]
 
 
 class _Tee:
@@ -328,7 +336,7 @@ def test_ranch_cell_magic_in_a_kernel(cluster, notebook):
 
 
 def test_node_removed_during_collective(on_ray):
-    """Runs last: a node leaves the cluster while its rank waits in a collective."""
+    """A node leaves the cluster while its rank waits in a collective (after every test that needs both)."""
     c, nodes = on_ray
 
     def wait_forever(x):
@@ -340,30 +348,10 @@ def test_node_removed_during_collective(on_ray):
         dist.all_reduce(torch.ones(1))
         return x
 
-    import io
-
-    buffer = io.StringIO()
-
-    def remove_when_both_ready():
-        deadline = time.monotonic() + 120
-        while buffer.getvalue().count("ready ") < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        removed_at.append(time.monotonic())
-        c.remove_node(nodes[1])
-
-    removed_at: list[float] = []
-    remover = threading.Thread(target=remove_when_both_ready, daemon=True)
-    real = sys.stdout
-    sys.stdout = _Tee(real, buffer)
-    remover.start()
-    try:
-        with pytest.raises(RankExitedError) as info:
-            ranch(3, wait_forever, 1, ctx=in_torchddp())
-    finally:
-        sys.stdout = real
-    remover.join(30)
-    assert removed_at and time.monotonic() - removed_at[0] < 30
-    assert "127.0.0.3" in str(info.value)
+    error, removed_at = _rank_exits_during(wait_forever, lambda text: text.count("ready ") >= 2,
+                                           lambda text: c.remove_node(nodes[1]))
+    assert time.monotonic() - removed_at < 30
+    assert "127.0.0.3" in str(error)
     _assert_nothing_left()
 
 
