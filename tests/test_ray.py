@@ -8,6 +8,8 @@ once for the module with ``ray.cluster_utils.Cluster`` and shut down by it (by p
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import signal
 import sys
@@ -36,7 +38,7 @@ def cluster():
 
     c = Cluster(initialize_head=True,
                 head_node_args={"num_cpus": 0, "node_ip_address": HEAD, "include_dashboard": False})
-    nodes = [c.add_node(num_cpus=1, node_ip_address=address) for address in NODES]
+    nodes = [c.add_node(num_cpus=2, node_ip_address=address) for address in NODES]
     try:
         mpify_nb.set_placement("ray", address=c.address)
         ranch(3, _where)  # the first call on a worker imports torch there: not any test's business
@@ -117,6 +119,37 @@ def test_env_follows_where_ranks_landed(on_ray):
     assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in env}) == 1 and me["MASTER_ADDR"] in NODES
     assert all(e["GLOO_SOCKET_IFNAME"] == "lo" for e in env)  # the NIC holding 127.0.0.x
     _assert_nothing_left([e["pid"] for e in others])
+
+
+def test_ranks_sharing_a_node_are_numbered_on_it(cluster):
+    with mpify_nb.placement("ray", address=cluster[0].address, strategy="STRICT_PACK"):
+        env = ranch(3, _where)
+    assert [e["GROUP_RANK"] for e in env] == ["0", "1", "1"]
+    assert [e["LOCAL_RANK"] for e in env] == ["0", "0", "1"]
+    assert [e["LOCAL_WORLD_SIZE"] for e in env] == ["1", "2", "2"]
+    assert env[0]["GROUP_WORLD_SIZE"] == "2"
+
+
+def test_stop_button_stops_remote_ranks(on_ray):
+    """SIGINT to the caller (the kernel's interrupt) while ranks on other nodes run: every rank
+    is stopped, KeyboardInterrupt here within seconds, and the next call works."""
+
+    def sleepy():
+        print(f"up {os.getpid()}", flush=True)
+        time.sleep(120)
+
+    pids: list[int] = []
+
+    def interrupt(text):
+        pids.extend(int(line.split()[-1]) for line in text.splitlines() if "] up " in line)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    with _acting_on_output(lambda text: text.count("] up ") >= 2, interrupt) as acted:
+        with pytest.raises(KeyboardInterrupt):
+            ranch(3, sleepy)
+    assert acted and time.monotonic() - acted[0] < 10
+    _assert_nothing_left(pids)
+    assert ranch(3, lambda: 1) == [1, 1, 1]
 
 
 def test_notebook_model_trains_with_equal_weights(on_ray):
@@ -202,11 +235,19 @@ def test_killed_rank_worker_during_collective(on_ray):
 
 
 def _rank_exits_during(fn, when_printed, act) -> tuple[RankExitedError, float]:
-    """``ranch(3, fn, 1)`` with DDP; once what the ranks printed satisfies ``when_printed``, a
-    thread calls ``act(printed)``. The call must raise RankExitedError: return it, and when
-    ``act`` ran."""
-    import io
+    """``ranch(3, fn, 1)`` with DDP, ``act`` done meanwhile (see _acting_on_output). The call must
+    raise RankExitedError: return it, and when ``act`` ran."""
+    with _acting_on_output(when_printed, act) as acted, pytest.raises(RankExitedError) as info:
+        ranch(3, fn, 1, ctx=in_torchddp())
+    assert acted, "the ranks never printed what the test waits for"
+    return info.value, acted[0]
 
+
+@contextlib.contextmanager
+def _acting_on_output(when_printed, act):
+    """For the block: what is printed (the ranks' relayed output included) is watched by a thread,
+    which calls ``act(printed)`` once ``when_printed(printed)`` holds. Yields a list that then holds
+    the time it acted."""
     buffer = io.StringIO()
     acted: list[float] = []
 
@@ -224,13 +265,10 @@ def _rank_exits_during(fn, when_printed, act) -> tuple[RankExitedError, float]:
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
-        with pytest.raises(RankExitedError) as info:
-            ranch(3, fn, 1, ctx=in_torchddp())
+        yield acted
     finally:
         sys.stdout = real
-    watcher.join(30)
-    assert acted, f"the ranks never printed what the test waits for: {buffer.getvalue()!r}"
-    return info.value, acted[0]
+        watcher.join(30)
 
 
 class _Tee:
@@ -297,8 +335,8 @@ def test_bad_options_are_named():
 
 def test_too_many_ranks_fail_at_once(on_ray):
     start = time.monotonic()
-    with pytest.raises(ValueError, match=r"cannot hold 3 rank\(s\).*room for 2"):
-        ranch(4, lambda: 0)
+    with pytest.raises(ValueError, match=r"cannot hold 5 rank\(s\).*room for 4"):
+        ranch(6, lambda: 0)
     assert time.monotonic() - start < 5
     _assert_nothing_left()
 
