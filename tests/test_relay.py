@@ -63,8 +63,11 @@ def test_rank_0_dataloader_workers_that_print_never_hang(notebook):
     # Before the relay was fork-safe, about 1 call in 10 of these hung (a worker blocked on
     # the relay's lock, inherited locked). 30 calls, each bounded by the cell timeout.
     cells = notebook([PRELUDE, CHATTY_LOADER] + ["print(ranch(2, load))"] * 30, timeout=60)
+    # The result ends the cell's text. Not always on a line of its own: rank 0's workers print
+    # through ipykernel's own forked-process output, which can deliver a piece of a worker's line
+    # ("7" of "sample 7") after the cell's last print (seen once in CI).
     for cell in cells[2:]:
-        assert nbutil.stream_text(cell).splitlines()[-1] == "[20, 0]"
+        assert nbutil.stream_text(cell).rstrip().endswith("[20, 0]"), nbutil.stream_text(cell)[-300:]
 
 
 TWO_BARS = '''
