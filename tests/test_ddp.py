@@ -157,9 +157,9 @@ def test_device_for_a_rank_given_its_own_gpu(monkeypatch):
 def test_nccl_chosen_when_a_gpu_is_assigned(scripts):
     """Local rank 1 with gpus="2,3" is put on GPU 3, and the group asked for is nccl (on a CPU
     build of torch init_process_group says it has no NCCL: that is the proof)."""
-    from mpify_nb.launcher import _free_port
+    from mpify_nb.placement import free_port
 
-    proc = start_script("gpu_mock.py", env={"PORT": str(_free_port()), "MPIFY_NB_PREWARM": "0"})
+    proc = start_script("gpu_mock.py", env={"PORT": str(free_port("127.0.0.1")), "MPIFY_NB_PREWARM": "0"})
     scripts.append(proc)
     out, err = finish(proc, timeout=120)
     assert proc.returncode == 0, f"{out}\n{err}"

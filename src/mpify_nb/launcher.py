@@ -360,9 +360,8 @@ class _Call:
             # frees a caller blocked in the rendezvous (see ddp.py).
             "MPIFY_NB_STORE_RANK": str(store_rank),
         }
-        env.update(libraries.torchrun_env(self.nprocs))  # ROLE_*, OMP_NUM_THREADS=1... unless set
-        if "GROUP_WORLD_SIZE" in env:
-            env["GROUP_WORLD_SIZE"] = str(len(layout.order()))
+        # ROLE_*, GROUP_WORLD_SIZE, OMP_NUM_THREADS=1... unless set
+        env.update(libraries.torchrun_env(self.nprocs, groups=len(layout.order())))
         return env
 
     def _rank_env(self, rank: int, layout: placement.Layout) -> dict:
@@ -806,10 +805,6 @@ class _CallerState:
                     os.chdir(self.cwd)
             except OSError:
                 os.chdir(self.cwd)
-
-
-def _free_port() -> int:
-    return placement.free_port("127.0.0.1")
 
 
 __all__ = ["ranch", "PayloadError", "RankError"]

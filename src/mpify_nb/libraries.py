@@ -49,17 +49,18 @@ _INTERACTIVE_FLAG_PACKAGES = ("lightning", "lightning_fabric", "pytorch_lightnin
 
 # -- torchrun's environment ---------------------------------------------------------------
 
-def torchrun_env(nprocs: int, environ: Optional[Mapping[str, str]] = None) -> dict:
+def torchrun_env(nprocs: int, environ: Optional[Mapping[str, str]] = None, groups: int = 1) -> dict:
     """Variables torchrun sets for its workers (besides RANK, WORLD_SIZE, MASTER_*), the same
-    for every rank, minus those the user set. Per-rank ones: :func:`torchrun_rank_env`.
+    for every rank, minus those the user set; ``groups``: the hosts the ranks run on. Per-rank
+    ones: :func:`torchrun_rank_env` (and GROUP_RANK, from where the rank landed).
 
     As torchrun does, ``OMP_NUM_THREADS=1`` when it is unset and several ranks share this
     machine (each rank would otherwise use every core)."""
     if environ is None:
         environ = os.environ
     env = {
-        "GROUP_RANK": "0",  # one node: the group (agent) rank is 0
-        "GROUP_WORLD_SIZE": "1",
+        "GROUP_RANK": "0",  # on one host; the launcher gives each rank its own
+        "GROUP_WORLD_SIZE": str(groups),
         "ROLE_NAME": "default",
         "ROLE_WORLD_SIZE": str(nprocs),
         "TORCHELASTIC_RUN_ID": uuid.uuid4().hex[:12],

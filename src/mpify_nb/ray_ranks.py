@@ -148,7 +148,6 @@ class RayPlacer:
         self._lock = threading.Lock()
         self._puts: dict[tuple[int, int], Any] = {}  # (st_dev, st_ino) of a memfd -> its ObjectRef
         self._released = False
-        self._threads: list[threading.Thread] = []
 
     # -- reserve ---------------------------------------------------------------------------
 
@@ -176,12 +175,11 @@ class RayPlacer:
                     f"(strategy {self.options.strategy}) within {patience:g} s; free now: "
                     f"{_rounded(ray.available_resources())}")
             address_of = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
-            landed = {b: address_of.get(node, "?")
-                      for b, node in placement_group_table(self._pg)["bundles_to_node_id"].items()}
+            node_ids = placement_group_table(self._pg)["bundles_to_node_id"]
+            landed = {b: address_of.get(node, "?") for b, node in node_ids.items()}
             # Ranks grouped by host (the caller's first), so LOCAL_RANK/GROUP_RANK mean what torchrun's do.
             order = [here] + [landed[b] for b in sorted(landed) if landed[b] != here]
             bundles = sorted(landed, key=lambda b: (order.index(landed[b]), b))
-            node_ids = placement_group_table(self._pg)["bundles_to_node_id"]
             for r, b in zip(others, bundles):
                 self._bundle_of[r] = b
                 self._node_id_of[r] = node_ids[b]
@@ -189,8 +187,9 @@ class RayPlacer:
         store_rank = others[0] if others else 0
         master = nodes.get(store_rank) or here
         port = _store_port(here)
-        interfaces = {} if caller_rank is None else {caller_rank: interface_of(here) or ""}
-        self._layout = placement.Layout(nodes, master, port, {r: i for r, i in interfaces.items() if i})
+        interface = interface_of(here)
+        interfaces = {caller_rank: interface} if caller_rank is not None and interface else {}
+        self._layout = placement.Layout(nodes, master, port, interfaces)
         if others:
             self._listen(here)
             self._spawn(self._watch_nodes, "mpify_nb-ray-nodes")
@@ -241,9 +240,7 @@ class RayPlacer:
         self._spawn(self._accept, "mpify_nb-ray-accept")
 
     def _spawn(self, target, name: str, *args) -> None:
-        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
-        thread.start()
-        self._threads.append(thread)
+        threading.Thread(target=target, args=args, name=name, daemon=True).start()
 
     # -- start -----------------------------------------------------------------------------
 
@@ -263,7 +260,7 @@ class RayPlacer:
         refs = [self._put(fd) for fd in fds]
         assert self._listener is not None
         host, port = self._listener.getsockname()[:2]
-        task = self._ray.remote(_serve_rank).options(
+        task = _remote_serve_rank().options(
             num_cpus=self.options.num_cpus, num_gpus=self.options.num_gpus,
             resources=self.options.resources or None, max_retries=0, runtime_env=_WORKER_ENV,
             name=f"mpify_nb rank {handle.rank}",
@@ -334,11 +331,23 @@ class RayPlacer:
 
             try:
                 remove_placement_group(self._pg)  # Ray kills whatever still runs in it
-                _note_release(self._ray, self._pg_free_before)
+                _note_release(self._pg_free_before)
             except Exception:
                 pass
             self._pg = None
         self._puts.clear()
+
+
+_serve_rank_remote: Any = None
+
+
+def _remote_serve_rank() -> Any:
+    """``_serve_rank`` as a Ray remote function, made once: Ray exports a new one to the
+    cluster on its first use, which every rank of every call would otherwise pay."""
+    global _serve_rank_remote
+    if _serve_rank_remote is None:
+        _serve_rank_remote = _import_ray().remote(_serve_rank)
+    return _serve_rank_remote
 
 
 def _store_port(here: str) -> int:
@@ -347,7 +356,7 @@ def _store_port(here: str) -> int:
     range is never handed out for outgoing connections, so only a service listening there
     can hold it; free here too. If the store's host has one, its rank fails at once with
     "address already in use", which names the port."""
-    low, _high = _ephemeral_range()
+    low = _ephemeral_low()
     for _ in range(100):
         port = secrets.randbelow(low - 20000) + 20000
         try:
@@ -359,22 +368,23 @@ def _store_port(here: str) -> int:
     return placement.free_port(here)
 
 
-def _ephemeral_range() -> tuple[int, int]:
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for outgoing connections."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = (int(x) for x in f.read().split())
+            low = int(f.read().split()[0])
         if low > 20100:
-            return low, high
-    except (OSError, ValueError):
+            return low
+    except (OSError, ValueError, IndexError):
         pass
-    return 32768, 60999
+    return 32768
 
 
 #: What the last call's removed placement group gives back: (when, resources free before it).
 _last_release: Optional[tuple[float, dict[str, float]]] = None
 
 
-def _note_release(ray: Any, free_before: dict[str, float]) -> None:
+def _note_release(free_before: dict[str, float]) -> None:
     global _last_release
     _last_release = (time.monotonic(), free_before)
 
@@ -450,11 +460,7 @@ class _RayRank:
                 message = wire.recv(self._channel)
                 if message is None:
                     break
-                data, fds = message
-                try:
-                    _send_frame(link, b"m", [data, *(_read_memfd(fd) for fd in fds)])
-                finally:
-                    payload.close_fds(fds)
+                _send_message(link, *message)
         except Exception as e:
             if not self._killed:
                 self._end(f"its link to the caller broke: {type(e).__name__}: {e}")
@@ -483,11 +489,7 @@ class _RayRank:
                 elif kind == b"e":
                     _write_all(self._err, parts[0])
                 elif kind == b"m":
-                    fds = [payload._memfd_of(memoryview(p).cast("B")) for p in parts[1:]]
-                    try:
-                        wire.send(self._channel, parts[0], fds)
-                    finally:
-                        payload.close_fds(fds)
+                    _deliver(self._channel, parts)
                 elif kind == b"x":  # the last frame: the rank has exited
                     self._code = struct.unpack("!i", parts[0])[0]
                     break
@@ -548,9 +550,8 @@ class _RayRank:
                 os.write(self._death_w, b"x")
 
     def node_left(self) -> None:
-        self._signal_death()
+        self._end(f"its node {self.node} left the Ray cluster")  # before kill(), whose own end says less
         self.kill()
-        self._end(f"its node {self.node} left the Ray cluster")
 
     # -- placement.RankProcess -------------------------------------------------------------
 
@@ -618,8 +619,8 @@ def _explain(error: BaseException, node: str) -> str:
 
 # -- frames on the link ----------------------------------------------------------------------
 # kind (1 byte), number of parts (4), each part's length (8 each), then the parts.
-#   h: unused  m: a channel message (data, then one part per memfd)  o/e: stdout/stderr bytes
-#   x: the rank's exit code
+#   m: a channel message (data, then one part per memfd)  o/e: stdout/stderr bytes
+#   x: the rank's exit code, last
 
 def _send_frame(sock: socket.socket, kind: bytes, parts: Sequence[Any]) -> None:
     sizes = [memoryview(p).nbytes for p in parts]
@@ -627,6 +628,23 @@ def _send_frame(sock: socket.socket, kind: bytes, parts: Sequence[Any]) -> None:
     for part in parts:
         if len(part):
             sock.sendall(part)
+
+
+def _send_message(link: socket.socket, data, fds: list[int]) -> None:
+    """A channel message onto the link: its memfds travel as bytes (closed here)."""
+    try:
+        _send_frame(link, b"m", [data, *(_read_memfd(fd) for fd in fds)])
+    finally:
+        payload.close_fds(fds)
+
+
+def _deliver(channel: socket.socket, parts: list) -> None:
+    """An ``m`` frame from the link onto a channel: its parts after the first become memfds again."""
+    fds = [payload._memfd_of(memoryview(p).cast("B")) for p in parts[1:]]
+    try:
+        wire.send(channel, parts[0], fds)
+    finally:
+        payload.close_fds(fds)
 
 
 def _recv_frame(sock: socket.socket) -> Optional[tuple[bytes, list]]:
@@ -698,8 +716,10 @@ def _serve_rank(caller: str, port: int, token: bytes, rank: int, setup: bytes, c
             os._exit(1)
     for fd in (out_w, err_w):
         os.close(fd)
+    for fd in (out_r, err_r):
+        os.set_blocking(fd, False)
     theirs.close()
-    pidfd = os.pidfd_open(pid)
+    child = _Child(pid)
     try:
         link.sendall(token + struct.pack("!II", rank, pid))
         try:
@@ -709,12 +729,10 @@ def _serve_rank(caller: str, port: int, token: bytes, rank: int, setup: bytes, c
             pass  # it died at birth; its exit code says how
         finally:
             payload.close_fds(fds)
-        child = _Child(pid, pidfd)
         threading.Thread(target=_to_rank, args=(link, ours, child), name="mpify_nb-from-caller", daemon=True).start()
         return _from_rank_loop(link, ours, out_r, err_r, child)
     finally:
-        with child_lock:
-            os.close(pidfd)
+        child.close()
         for fd in (out_r, err_r):
             os.close(fd)
         ours.close()
@@ -741,19 +759,17 @@ def _adapt(config: dict, node_address: str) -> None:
         config["cwd"] = os.getcwd()
 
 
-child_lock = threading.Lock()
-
-
 class _Child:
     """The rank process this worker forked; killed by pidfd, so never another process that
-    reuses its pid once it has been reaped."""
+    reuses its pid once it has been reaped (the relay thread may kill while the task reaps)."""
 
-    def __init__(self, pid: int, pidfd: int):
-        self.pid, self.pidfd = pid, pidfd
+    def __init__(self, pid: int):
+        self.pid, self.pidfd = pid, os.pidfd_open(pid)
         self.reaped = False
+        self._lock = threading.Lock()
 
     def kill(self) -> None:
-        with child_lock:
+        with self._lock:
             if self.reaped:
                 return
             try:
@@ -767,13 +783,18 @@ class _Child:
 
     def reap(self) -> int:
         _, status = os.waitpid(self.pid, 0)
-        with child_lock:
+        with self._lock:
             try:
                 os.killpg(self.pid, signal.SIGKILL)  # what it left in its group; the id is not
             except OSError:                          # reused while a member lives
                 pass
             self.reaped = True
         return os.waitstatus_to_exitcode(status)
+
+    def close(self) -> None:
+        with self._lock:
+            self.reaped = True  # whatever it is now, it is no longer ours to signal
+            os.close(self.pidfd)
 
 
 def _to_rank(link: socket.socket, channel: socket.socket, child: _Child) -> None:
@@ -783,12 +804,7 @@ def _to_rank(link: socket.socket, channel: socket.socket, child: _Child) -> None
             frame = _recv_frame(link)
             if frame is None:
                 break
-            _kind, parts = frame
-            fds = [payload._memfd_of(memoryview(p).cast("B")) for p in parts[1:]]
-            try:
-                wire.send(channel, parts[0], fds)
-            finally:
-                payload.close_fds(fds)
+            _deliver(channel, frame[1])
     except (OSError, EOFError, ConnectionError):
         pass
     child.kill()
@@ -830,17 +846,12 @@ def _relay_message(link: socket.socket, channel: socket.socket) -> bool:
     message = wire.recv(channel)
     if message is None:
         return False
-    data, fds = message
-    try:
-        _send_frame(link, b"m", [data, *(_read_memfd(fd) for fd in fds)])
-    finally:
-        payload.close_fds(fds)
+    _send_message(link, *message)
     return True
 
 
 def _relay_pipe(link: socket.socket, fd: int, kind: bytes) -> None:
-    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+    """What the (non-blocking) pipe ``fd`` holds now, onto the link."""
     while True:
         try:
             chunk = os.read(fd, 1 << 16)
