@@ -511,7 +511,10 @@ def test_200_cells_leak_no_fds_or_memory_in_the_kernel(dist):
              "        except OSError:\n"
              "            pass\n"
              "    return fds\n"
-             "looks = [look(), time.sleep(0.05), look(), time.sleep(0.05), look()][::2]\n"
+             "looks = []\n"
+             "for _ in range(3):\n"
+             "    looks.append(look())\n"
+             "    time.sleep(0.05)\n"
              "fds = {f: t for f, t in looks[0].items() if all(other.get(f) == t for other in looks[1:])}\n"
              "print(repr((fds, "
              "int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE'))))")
