@@ -10,6 +10,8 @@ pid): a head with no CPUs (the caller's node, 127.0.0.4) and two worker nodes of
   ``TorchTrainer(fn, scaling_config=ScalingConfig(num_workers=3)).fit()`` with the same
   function body (target: >= 5x faster). Needs ``pip install "ray[train]"`` for the comparison;
   without it that figure is skipped.
+* persistent ranks: ``Session(2)`` start, a trivial ``run`` and one ``all_reduce`` (for
+  information).
 * a 256 MB tensor to 2 ranks on one node (``strategy="STRICT_PACK"``), the caller playing no
   rank, against one local copy of it (``clone()``) (target <= 2x).
 
@@ -31,6 +33,32 @@ def allreduce_fn(config=None):
     t = torch.ones(4)
     dist.all_reduce(t)
     return t.sum().item()
+
+
+def _session_figures(mpify_nb, reps: int, results: list[Result]) -> None:
+    """Persistent ranks on the cluster (for information: the issue sets no target for them)."""
+    starts, trivial, reduces = [], [], []
+    for _ in range(max(2, reps // 2)):
+        t0 = time.perf_counter()
+        s = mpify_nb.Session(2)
+        starts.append(time.perf_counter() - t0)
+        try:
+            for _ in range(reps * 4):
+                t0 = time.perf_counter()
+                s.run("1")
+                trivial.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                assert s.run("t = torch.ones(4)\ndist.all_reduce(t)\nt.sum().item()") == {0: 8.0, 1: 8.0}
+                reduces.append(time.perf_counter() - t0)
+        finally:
+            s.close()
+    print(f"Session(2) on Ray: start {fmt_list(starts)}; run('1') {fmt_s(median(trivial))}; "
+          f"run(all_reduce) {fmt_s(median(reduces))}", flush=True)
+    results.append(Result("10.4", "Session(2) on Ray: start, ranks on the two worker nodes", median(starts), "s",
+                          detail=fmt_list(starts)))
+    results.append(Result("10.5", "Session(2) on Ray: run('1'), caller -> both nodes -> caller", median(trivial),
+                          "s"))
+    results.append(Result("10.6", "Session(2) on Ray: run(all_reduce of 4 floats)", median(reduces), "s"))
 
 
 def main() -> int:
@@ -90,6 +118,8 @@ def main() -> int:
             results.append(Result("10.2", "TorchTrainer.fit() / warm ranch on Ray (same function, same cluster)",
                                   ratio, "x", ">= 5x", ratio >= 5,
                                   f"TorchTrainer {fmt_s(median(theirs))} vs ranch {fmt_s(ours_median)}"))
+
+        _session_figures(mpify_nb, reps, results)
 
         mpify_nb.set_placement("ray", address=cluster.address, strategy="STRICT_PACK")
         big = torch.randn(256 * 1024 * 1024 // 4)

@@ -25,6 +25,7 @@ import torch  # noqa: E402
 import mpify_nb  # noqa: E402
 from helpers_ranch import kill_group, start_script  # noqa: E402
 from mpify_nb import RankExitedError, RankRaisedError, in_torchddp, ranch  # noqa: E402
+from mpify_nb.errors import CollectiveError  # noqa: E402
 from mpify_nb.ray_ranks import interface_of  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -364,6 +365,10 @@ def test_ranch_cell_magic_in_a_kernel(cluster, notebook):
         f"mpify_nb.set_placement('ray', address={address!r})",
         "%%ranch 3 --ddp\nimport os\nimport torch.distributed as dist\nt = torch.ones(1) * (dist.get_rank() + 1)\n"
         "dist.all_reduce(t)\nprint('sum', t.item(), 'group', os.environ['GROUP_RANK'])",
+        "%dist_init -n 2",
+        "t = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\nprint('session sum', t.item())",
+        "%dist_status",
+        "%dist_shutdown",
         "import ray; ray.shutdown()",
     ], timeout=240)
     import nbutil
@@ -371,6 +376,50 @@ def test_ranch_cell_magic_in_a_kernel(cluster, notebook):
     text = nbutil.stream_text(cells[1])
     assert "sum 6.0" in text
     assert "[rank 1] sum 6.0" in text and "[rank 2] sum 6.0" in text
+    assert "2 ranks ready" in nbutil.stream_text(cells[2]) and " at 127.0.0." in nbutil.stream_text(cells[2])
+    text = nbutil.stream_text(cells[3])
+    assert "[rank 0] session sum 3.0" in text and "[rank 1] session sum 3.0" in text
+    status = nbutil.all_text(cells[4])
+    assert "node" in status and "127.0.0.2" in status and "127.0.0.3" in status
+
+
+def test_session_keeps_state_on_two_nodes(on_ray, capsys):
+    """Persistent ranks on the cluster: state across calls, a group across nodes, output
+    labelled, a push, an interrupt that keeps state; after close nothing is left."""
+    with mpify_nb.Session(2) as s:
+        rows = s.status()
+        assert sorted(r.node for r in rows) == sorted(NODES)  # SPREAD: one rank per node
+        pids = [r.pid for r in rows]
+        assert all(p > 0 for p in pids)
+        s.run("import os\nt = torch.ones(2) * (rank + 1)")
+        out = s.run("dist.all_reduce(t)\nprint('group', os.environ['GROUP_RANK'], os.environ['MASTER_ADDR'])\nt")
+        assert [v.tolist() for v in out.values()] == [[3.0, 3.0]] * 2
+        printed = capsys.readouterr().out
+        assert "[rank 0] group 0 " in printed and "[rank 1] group 1 " in printed and "(pid=" not in printed
+        s.push(big=torch.arange(4_000_000, dtype=torch.float64), lr=0.5)
+        expected = float(torch.arange(4_000_000, dtype=torch.float64).sum()) * 0.5
+        assert s.run("float(big.sum()) * lr") == {0: expected, 1: expected}
+        with pytest.raises(TimeoutError):
+            s.run("import time\nwhile True: time.sleep(0.05)", timeout=2)
+        assert [r.state for r in s.status()] == ["idle", "idle"]  # interrupted, not killed
+        assert s.pull("t", rank=None)[1].tolist() == [3.0, 3.0]
+    _assert_nothing_left(pids)
+
+
+def test_session_on_ray_survives_a_mismatched_collective_and_a_dead_rank(on_ray):
+    with mpify_nb.Session(2) as s:
+        s.run("t = torch.ones(1)")
+        with pytest.raises(CollectiveError, match="rebuilt"):
+            s.run("dist.all_reduce(t)", ranks=[0])  # rank 1 never joins: the group is cut and rebuilt
+        assert s.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()") == {0: 2.0, 1: 2.0}
+        victim = s.status()[1]
+        os.kill(victim.pid, signal.SIGKILL)  # on this machine, a Ray node's rank is a process we can see
+        with pytest.raises(RankExitedError, match=f"rank 1 was killed by SIGKILL.*on node {victim.node}"):
+            s.run("t.item()")
+        s.restart()
+        assert s.run("rank * 10 + dist.get_world_size()") == {0: 2, 1: 12}
+        pids = [r.pid for r in s.status()]
+    _assert_nothing_left(pids)
 
 
 def test_node_removed_during_collective(on_ray):
@@ -398,11 +447,6 @@ def _target(fd: str) -> str:
         return os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
         return "?"
-
-
-def test_session_says_it_is_local_only(on_ray):
-    with pytest.raises(NotImplementedError, match="set_placement\\('local'\\)"):
-        mpify_nb.Session(2)
 
 
 def test_under_ray_token_authentication():

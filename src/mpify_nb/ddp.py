@@ -280,8 +280,6 @@ def set_group_count(count: Optional[int]) -> None:
 def _make_store(is_master: bool) -> Any:
     """The rendezvous TCPStore of a ranch call. Its server listens on MASTER_ADDR only
     (loopback under ranch): by default TCPStore would listen on every interface."""
-    import socket
-
     # Public API (torch.distributed.TCPStore), re-exported from a private module without __all__.
     from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
@@ -289,18 +287,26 @@ def _make_store(is_master: bool) -> Any:
     world_size = int(os.environ["WORLD_SIZE"])
     if not is_master:
         return TCPStore(addr, port, world_size, is_master=False)
+    # The store owns the listening socket from here on, and closes it.
+    return TCPStore(addr, port, world_size, is_master=True, wait_for_workers=False,
+                    master_listen_fd=_listen_on(addr, port, world_size * 2).detach())
+
+
+def _listen_on(addr: str, port: int, backlog: int) -> Any:
+    """A socket listening on ``addr:port`` only, for a TCPStore's server (which, given just
+    a port, would listen on every interface)."""
+    import socket
+
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((addr, port))
-        listener.listen(world_size * 2)
+        listener.listen(backlog)
     except BaseException:
         listener.close()
         raise
-    # The store owns the listening socket from here on, and closes it.
-    return TCPStore(addr, port, world_size, is_master=True, wait_for_workers=False,
-                         master_listen_fd=listener.detach())
+    return listener
 
 
 def in_torchddp(

@@ -319,7 +319,7 @@ class _Call:
                                                name="mpify_nb-watch", daemon=True)
                     watcher.start()
                     try:
-                        own_env = dict(env, **self._rank_env(self.caller_rank, layout))
+                        own_env = dict(env, **layout.env_of(self.caller_rank))
                         values[self.caller_rank] = self._run_own_rank(fn, args, kwargs, ctx, own_env)
                     finally:
                         self.finished = True
@@ -350,29 +350,11 @@ class _Call:
             self._learn_imports()
 
     def _world_env(self, layout: placement.Layout) -> dict:
-        """The variables every rank gets alike; _rank_env() adds each one's own."""
+        """The variables every rank gets alike; layout.env_of(rank) adds each one's own."""
         store_rank = next((r for r in range(self.nprocs) if r != self.caller_rank), 0)
-        env = {
-            "WORLD_SIZE": str(self.nprocs),
-            "MASTER_ADDR": layout.master_addr,
-            "MASTER_PORT": str(layout.master_port),
-            # The rendezvous store lives in a spawned rank: killing the ranks then
-            # frees a caller blocked in the rendezvous (see ddp.py).
-            "MPIFY_NB_STORE_RANK": str(store_rank),
-        }
-        # ROLE_*, GROUP_WORLD_SIZE, OMP_NUM_THREADS=1... unless set
-        env.update(libraries.torchrun_env(self.nprocs, groups=len(layout.order())))
-        return env
-
-    def _rank_env(self, rank: int, layout: placement.Layout) -> dict:
-        env = {"RANK": str(rank), **libraries.torchrun_rank_env(rank)}
-        env.update({k: v for k, v in layout.rank_env(rank).items()
-                    if k != "GROUP_RANK" or "GROUP_RANK" not in os.environ})
-        interface = layout.interfaces.get(rank)
-        if interface:  # gloo/NCCL on the NIC that holds this rank's node address, unless the user chose
-            env.update({name: interface for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-                        if name not in os.environ})
-        return env
+        # The rendezvous store lives in a spawned rank: killing the ranks then
+        # frees a caller blocked in the rendezvous (see ddp.py).
+        return dict(layout.world_env(self.nprocs), MPIFY_NB_STORE_RANK=str(store_rank))
 
     # -- starting ranks ------------------------------------------------------------------
 
@@ -403,7 +385,7 @@ class _Call:
             if process.death_fd is not None:
                 self.selector.register(process.death_fd, selectors.EVENT_READ, ("death", r))
         for r, handle in self.ranks.items():
-            rank_env = dict(base, **self._rank_env(r, layout))
+            rank_env = dict(base, **layout.env_of(r))
             setup = pickle.dumps(dict(common, rank=r, env=rank_env))
             try:
                 wire.send(handle.channel, setup)

@@ -158,6 +158,29 @@ class Layout:
         return {"LOCAL_RANK": str(mates.index(rank)), "LOCAL_WORLD_SIZE": str(len(mates)),
                 "GROUP_RANK": str(self.order().index(node))}
 
+    def world_env(self, nprocs: int) -> dict[str, str]:
+        """What every rank's environment holds alike: WORLD_SIZE, MASTER_ADDR/PORT, and
+        torchrun's ROLE_*, GROUP_WORLD_SIZE, OMP_NUM_THREADS=1... unless the user set them."""
+        from . import libraries
+
+        env = {"WORLD_SIZE": str(nprocs), "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
+        env.update(libraries.torchrun_env(nprocs, groups=len(self.order())))
+        return env
+
+    def env_of(self, rank: int) -> dict[str, str]:
+        """Rank ``rank``'s own variables: RANK, LOCAL_RANK... and gloo/NCCL on the NIC that holds
+        its node's address (unless the user chose one)."""
+        from . import libraries
+
+        env = {"RANK": str(rank), **libraries.torchrun_rank_env(rank)}
+        env.update({k: v for k, v in self.rank_env(rank).items()
+                    if k != "GROUP_RANK" or "GROUP_RANK" not in os.environ})
+        interface = self.interfaces.get(rank)
+        if interface:
+            env.update({name: interface for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+                        if name not in os.environ})
+        return env
+
 
 def free_port(address: str) -> int:
     """A TCP port free on ``address`` now. Each call gets its own, so calls never collide."""
@@ -195,6 +218,11 @@ class Placer(Protocol):
         """Start ``rank``; raise TimeoutError if it cannot be started within ``timeout`` s."""
         ...
 
+    def store_port(self) -> int:
+        """A port for a new rendezvous store on the layout's master address (a Session that
+        rebuilds its group needs a fresh one each time)."""
+        ...
+
     def release(self) -> None:
         """The call is over: give back what ``reserve`` took."""
         ...
@@ -215,6 +243,9 @@ class _OnThisMachine:
 
     def reserve(self, nprocs: int, caller_rank: Optional[int], timeout: Optional[float]) -> Layout:
         return Layout.on_this_machine(nprocs)
+
+    def store_port(self) -> int:
+        return free_port("127.0.0.1")
 
     def release(self) -> None:
         pass

@@ -11,7 +11,9 @@ and the caller's launcher, payload, relay and errors see a rank like any other::
       where they landed -> LOCAL_RANK, GROUP_RANK, MASTER_ADDR/PORT
     start(r): a bridge holds rank r's channel end
       launcher sends setup + call to the bridge
-      memfds -> ray.put, once per call ──── object store ─> ray.get, into memfds (per node: one transfer)
+      memfds -> ray.put, once per call ──── object store ─> ray.get, into memfds (per node: one transfer);
+                                                             on the caller's machine: its memfds, opened
+                                                             through /proc (no transfer, no copy)
       submit _serve_rank in bundle r ─────────────────────> connects back: TCP to the caller, token first
                                                              forks the rank (rank.main, as on one machine)
       channel / stdout / stderr  <══ frames over the link ══ rank's channel, stdout, stderr
@@ -142,6 +144,7 @@ class RayPlacer:
         self._bundle_of: dict[int, int] = {}  # rank -> bundle index
         self._node_id_of: dict[int, str] = {}  # rank -> Ray node id
         self._layout: Optional[placement.Layout] = None
+        self._here = ""  # the caller's node address
         self._token = secrets.token_bytes(32)
         self._listener: Optional[socket.socket] = None
         self._ranks: dict[int, _RayRank] = {}
@@ -158,6 +161,7 @@ class RayPlacer:
 
         others = [r for r in range(nprocs) if r != caller_rank]
         here: str = ray.util.get_node_ip_address()
+        self._here = here
         nodes: dict[int, str] = {} if caller_rank is None else {caller_rank: here}
         if others:
             bundle = self.options.bundle()
@@ -174,8 +178,8 @@ class RayPlacer:
                     f"the Ray cluster found no room for {len(others)} rank(s) of {bundle} each "
                     f"(strategy {self.options.strategy}) within {patience:g} s; free now: "
                     f"{_rounded(ray.available_resources())}")
-            address_of = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
             node_ids = placement_group_table(self._pg)["bundles_to_node_id"]
+            address_of = self._node_addresses()
             landed = {b: address_of.get(node, "?") for b, node in node_ids.items()}
             # Ranks grouped by host (the caller's first), so LOCAL_RANK/GROUP_RANK mean what torchrun's do.
             order = [here] + [landed[b] for b in sorted(landed) if landed[b] != here]
@@ -195,12 +199,41 @@ class RayPlacer:
             self._spawn(self._watch_nodes, "mpify_nb-ray-nodes")
         return self._layout
 
+    def _node_addresses(self) -> dict[str, str]:
+        return {n["NodeID"]: n["NodeManagerAddress"] for n in self._ray.nodes()}
+
+    def store_port(self) -> int:
+        return _store_port(self._here)
+
+    def _find_again(self, rank: int) -> None:
+        """A rank started a second time (a Session's restart): its bundle may have moved, when
+        Ray placed it anew after its node left. Wait until it is placed; update the layout."""
+        from ray.util.placement_group import placement_group_table
+
+        assert self._layout is not None
+        deadline = time.monotonic() + _PLACEMENT_PATIENCE
+        while True:
+            table = placement_group_table(self._pg)
+            node = table["bundles_to_node_id"].get(self._bundle_of[rank])
+            alive = {n["NodeID"] for n in self._ray.nodes() if n.get("Alive")}
+            if table.get("state") == "CREATED" and node in alive:
+                break
+            if time.monotonic() > deadline:
+                free = _rounded(self._ray.available_resources())
+                raise TimeoutError(f"Ray found no node for rank {rank} again within {_PLACEMENT_PATIENCE:g} s "
+                                   f"(its node left the cluster); free now: {free}")
+            time.sleep(0.2)
+        self._node_id_of[rank] = node
+        self._layout.nodes[rank] = self._node_addresses().get(node, "?")
+
     def _watch_nodes(self) -> None:
         """A node that leaves the cluster ends its ranks' part now: its link may never say so
         (a host that is switched off sends no FIN), and a task not yet started there would wait
         for Ray to find its bundle a new node, for ever."""
         while not self._released:
             time.sleep(_NODE_CHECK)
+            if not self._ray.is_initialized():
+                return  # ray.shutdown() by the user: asking now would join a new cluster
             try:
                 alive = {n["NodeID"] for n in self._ray.nodes() if n.get("Alive")}
             except Exception:
@@ -247,6 +280,8 @@ class RayPlacer:
     def start(self, rank: int, channel_fd: int, stdout_fd: int, stderr_fd: int,
               timeout: Optional[float] = None) -> placement.RankProcess:
         assert self._layout is not None, "reserve() first"
+        if rank in self._ranks:
+            self._find_again(rank)
         handle = _RayRank(self, rank, self._layout.nodes[rank], channel_fd, stdout_fd, stderr_fd)
         with self._lock:
             self._ranks[rank] = handle
@@ -258,6 +293,9 @@ class RayPlacer:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         refs = [self._put(fd) for fd in fds]
+        # A rank on this machine maps the caller's memfds themselves (as on one machine): no
+        # transfer, no copy. The object is there for a rank that cannot open them.
+        lent = [(os.getpid(), fd, *_identity(fd)) for fd in fds]
         assert self._listener is not None
         host, port = self._listener.getsockname()[:2]
         task = _remote_serve_rank().options(
@@ -265,7 +303,7 @@ class RayPlacer:
             resources=self.options.resources or None, max_retries=0, runtime_env=_WORKER_ENV,
             name=f"mpify_nb rank {handle.rank}",
             scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, self._bundle_of[handle.rank]))
-        return task.remote(host, port, self._token, handle.rank, bytes(setup), bytes(call), refs)
+        return task.remote(host, port, self._token, handle.rank, bytes(setup), bytes(call), refs, lent)
 
     def _put(self, fd: int) -> Any:
         """The object holding memfd ``fd``'s bytes: put once per call, whichever rank asks first."""
@@ -286,6 +324,7 @@ class RayPlacer:
                 sock, _ = listener.accept()
             except OSError:
                 return  # closed by release()
+            _no_delay(sock)
             threading.Thread(target=self._greet, args=(sock,), name="mpify_nb-ray-greet", daemon=True).start()
 
     def _greet(self, sock: socket.socket) -> None:
@@ -430,6 +469,9 @@ class _RayRank:
         self.ended = threading.Event()
         self._cond = threading.Condition()
         self._link: Optional[socket.socket] = None
+        self._send_lock = threading.Lock()  # the link has two writers with a Session's control channel
+        self._control: Optional[socket.socket] = None  # a Session rank's second channel
+        self._lent: list[int] = []  # the call's memfds
         self._task: Any = None
         self._killed = False
         self._death_signalled = False
@@ -442,13 +484,21 @@ class _RayRank:
         """Take the setup and the call, start the task, then carry the channel both ways."""
         try:
             setup = wire.recv(self._channel)
-            call = wire.recv(self._channel) if setup is not None else None
-            if setup is None or call is None:
+            if setup is None:
+                return  # the launcher gave up before sending it
+            if pickle.loads(setup[0]).get("session"):
+                # A Session's rank: no call follows, and its setup brings the end of a second
+                # channel (interrupts, collective watch), carried over the link as "c" frames.
+                self._control = socket.socket(fileno=setup[1][0])
+                payload.close_fds(setup[1][1:])
+                call: Optional[tuple[Any, list[int]]] = (b"", [])
+            else:
+                payload.close_fds(setup[1])
+                call = wire.recv(self._channel)
+            if call is None:
                 return  # the launcher gave up before sending the call
-            try:
-                self._task = self.placer.submit(self, setup[0], call[0], call[1])
-            finally:
-                payload.close_fds(call[1])
+            self._lent = call[1]  # open until the rank ends: its worker may map them (see submit)
+            self._task = self.placer.submit(self, setup[0], call[0], call[1])
             self.placer._spawn(self._watch_task, f"mpify_nb-ray-task{self.rank}")
             with self._cond:
                 self._cond.wait_for(lambda: self._link is not None or self._killed or self.ended.is_set())
@@ -456,17 +506,31 @@ class _RayRank:
             if link is None:
                 return
             self.placer._spawn(self._from_rank, f"mpify_nb-ray-from{self.rank}", link)
+            if self._control is not None:
+                self.placer._spawn(self._control_to_rank, f"mpify_nb-ray-control{self.rank}", link, self._control)
             while True:  # launcher -> rank
                 message = wire.recv(self._channel)
                 if message is None:
                     break
-                _send_message(link, *message)
+                with self._send_lock:
+                    _send_message(link, *message)
         except Exception as e:
             if not self._killed:
                 self._end(f"its link to the caller broke: {type(e).__name__}: {e}")
         finally:
             if self._link is None and self._task is None:
                 self._end("")
+
+    def _control_to_rank(self, link: socket.socket, control: socket.socket) -> None:
+        try:
+            while True:
+                message = wire.recv(control)
+                if message is None:
+                    return  # the Session let go of it: the rank is being buried
+                with self._send_lock:
+                    _send_frame(link, b"c", [message[0]])
+        except (OSError, EOFError):
+            pass
 
     def attach(self, link: socket.socket, pid: int) -> bool:
         with self._cond:
@@ -490,6 +554,8 @@ class _RayRank:
                     _write_all(self._err, parts[0])
                 elif kind == b"m":
                     _deliver(self._channel, parts)
+                elif kind == b"c" and self._control is not None:
+                    wire.send(self._control, parts[0])
                 elif kind == b"x":  # the last frame: the rank has exited
                     self._code = struct.unpack("!i", parts[0])[0]
                     break
@@ -536,7 +602,11 @@ class _RayRank:
             except OSError:
                 pass
             link.close()
-        for close in (self._channel.close, lambda: os.close(self._out), lambda: os.close(self._err)):
+        closes = [self._channel.close, lambda: os.close(self._out), lambda: os.close(self._err),
+                  lambda: payload.close_fds(self._lent)]
+        if self._control is not None:
+            closes.append(self._control.close)
+        for close in closes:
             try:
                 close()
             except OSError:
@@ -620,14 +690,31 @@ def _explain(error: BaseException, node: str) -> str:
 # -- frames on the link ----------------------------------------------------------------------
 # kind (1 byte), number of parts (4), each part's length (8 each), then the parts.
 #   m: a channel message (data, then one part per memfd)  o/e: stdout/stderr bytes
-#   x: the rank's exit code, last
+#   c: a message on a Session rank's control channel      x: the rank's exit code, last
 
 def _send_frame(sock: socket.socket, kind: bytes, parts: Sequence[Any]) -> None:
     sizes = [memoryview(p).nbytes for p in parts]
-    sock.sendall(kind + struct.pack(f"!I{len(parts)}Q", len(parts), *sizes))
+    head = kind + struct.pack(f"!I{len(parts)}Q", len(parts), *sizes)
+    if sum(sizes) <= _SMALL_FRAME:  # one segment: a request or an answer is one write
+        sock.sendall(b"".join([head, *(memoryview(p).cast("B") for p in parts)]))
+        return
+    sock.sendall(head)
     for part in parts:
         if len(part):
             sock.sendall(part)
+
+
+#: Frames up to this size are sent in one write.
+_SMALL_FRAME = 64 * 1024
+
+
+def _no_delay(sock: socket.socket) -> None:
+    """Small frames go out at once: with Nagle's algorithm, a request written in two pieces
+    waited for the peer's delayed ACK (40 ms per round trip, measured: 90 ms per call)."""
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except OSError:
+        pass
 
 
 def _send_message(link: socket.socket, data, fds: list[int]) -> None:
@@ -684,7 +771,8 @@ def _write_all(fd: int, data) -> None:
 _WORKER_ENV = {"env_vars": {"MPIFY_NB_CHILD": "1", "MPIFY_NB_PREWARM": "0"}}
 
 
-def _serve_rank(caller: str, port: int, token: bytes, rank: int, setup: bytes, call: bytes, refs: list) -> int:
+def _serve_rank(caller: str, port: int, token: bytes, rank: int, setup: bytes, call: bytes, refs: list,
+                lent: list) -> int:
     """A Ray task: run rank ``rank`` in a process forked here, relaying it to the caller over one
     TCP link, until it exits or the caller drops the link. Returns the rank's exit code."""
     import ray
@@ -695,10 +783,12 @@ def _serve_rank(caller: str, port: int, token: bytes, rank: int, setup: bytes, c
         pass
     link = socket.create_connection((caller, port), timeout=30)
     link.settimeout(None)
-    fds = [payload._memfd_of(memoryview(a).cast("B")) for a in ray.get(refs)] if refs else []
+    _no_delay(link)
+    fds = _call_memfds(refs, lent)
     config = pickle.loads(setup)
     _adapt(config, ray.util.get_node_ip_address())
     ours, theirs = wire.socketpair()
+    control, control_theirs = wire.socketpair() if config.get("session") else (None, None)
     out_r, out_w = os.pipe2(os.O_CLOEXEC)
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
     me = os.getpid()
@@ -707,8 +797,19 @@ def _serve_rank(caller: str, port: int, token: bytes, rank: int, setup: bytes, c
         try:
             os.dup2(out_w, 1)
             os.dup2(err_w, 2)
-            for fd in (out_r, err_r, out_w, err_w, ours.fileno(), link.fileno()):
-                os.close(fd)
+            # The rank holds its channel and nothing of the Ray worker's: not its connections to
+            # Ray (a Session's group abort shuts down the rank's TCP connections to its peers'
+            # nodes; with the worker's among them, Ray lost the worker), nor the link.
+            try:
+                signal.set_wakeup_fd(-1)  # the worker's, closed below
+            except ValueError:
+                pass
+            # Ray runs tasks with SIGINT blocked: a Session's interrupt (SIGINT to the rank's
+            # main thread) would never arrive.
+            signal.pthread_sigmask(signal.SIG_SETMASK, [])
+            keep = theirs.fileno()
+            os.closerange(3, keep)
+            os.closerange(keep + 1, _max_fd())
             from . import rank as rank_module
 
             rank_module.main(theirs.detach(), me)
@@ -723,15 +824,23 @@ def _serve_rank(caller: str, port: int, token: bytes, rank: int, setup: bytes, c
     try:
         link.sendall(token + struct.pack("!II", rank, pid))
         try:
-            wire.send(ours, pickle.dumps(config))
-            wire.send(ours, call, fds)
+            if control_theirs is not None:  # a Session's rank: its setup brings its control channel
+                wire.send(ours, pickle.dumps(config), [control_theirs.fileno()])
+            else:
+                wire.send(ours, pickle.dumps(config))
+                wire.send(ours, call, fds)
         except OSError:
             pass  # it died at birth; its exit code says how
         finally:
             payload.close_fds(fds)
-        threading.Thread(target=_to_rank, args=(link, ours, child), name="mpify_nb-from-caller", daemon=True).start()
-        return _from_rank_loop(link, ours, out_r, err_r, child)
+            if control_theirs is not None:
+                control_theirs.close()
+        threading.Thread(target=_to_rank, args=(link, ours, control, child), name="mpify_nb-from-caller",
+                         daemon=True).start()
+        return _from_rank_loop(link, ours, control, out_r, err_r, child)
     finally:
+        if control is not None:
+            control.close()
         child.close()
         for fd in (out_r, err_r):
             os.close(fd)
@@ -741,6 +850,48 @@ def _serve_rank(caller: str, port: int, token: bytes, rank: int, setup: bytes, c
         except OSError:
             pass
         link.close()
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+def _call_memfds(refs: list, lent: list) -> list[int]:
+    """The call's memfds, here: the caller's own when this is its machine (opened through
+    /proc, checked to be the same file: a pid in another pid namespace is another process),
+    else a copy of the object Ray brought to this node."""
+    import ray
+
+    fds: list[int] = []
+    try:
+        for ref, (pid, number, dev, ino) in zip(refs, lent):
+            fd = _open_lent(pid, number, dev, ino)
+            if fd is None:
+                fd = payload._memfd_of(memoryview(ray.get(ref)).cast("B"))
+            fds.append(fd)
+    except BaseException:
+        payload.close_fds(fds)
+        raise
+    return fds
+
+
+def _open_lent(pid: int, number: int, dev: int, ino: int) -> Optional[int]:
+    try:
+        fd = os.open(f"/proc/{pid}/fd/{number}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None  # another host, another user, or a hardened /proc
+    if _identity(fd) == (dev, ino):
+        return fd
+    os.close(fd)
+    return None
+
+
+def _max_fd() -> int:
+    try:
+        return max(os.sysconf("SC_OPEN_MAX"), 1024)
+    except (ValueError, OSError):
+        return 1 << 16
 
 
 def _adapt(config: dict, node_address: str) -> None:
@@ -797,27 +948,41 @@ class _Child:
             os.close(self.pidfd)
 
 
-def _to_rank(link: socket.socket, channel: socket.socket, child: _Child) -> None:
+def _to_rank(link: socket.socket, channel: socket.socket, control: Optional[socket.socket], child: _Child) -> None:
     """Caller -> rank. The caller closing the link means: stop now (it failed, or was interrupted)."""
     try:
         while True:
             frame = _recv_frame(link)
             if frame is None:
                 break
-            _deliver(channel, frame[1])
+            kind, parts = frame
+            if kind == b"c" and control is not None:
+                wire.send(control, parts[0])
+            else:
+                _deliver(channel, parts)
     except (OSError, EOFError, ConnectionError):
         pass
     child.kill()
 
 
-def _from_rank_loop(link: socket.socket, channel: socket.socket, out_r: int, err_r: int, child: _Child) -> int:
+def _from_rank_loop(link: socket.socket, channel: socket.socket, control: Optional[socket.socket],
+                    out_r: int, err_r: int, child: _Child) -> int:
     """Rank -> caller until the rank has exited; then its exit code, last."""
     channel_open = True
     pidfd = child.pidfd
     try:
         while True:
-            watch = [out_r, err_r, pidfd] + ([channel] if channel_open else [])
+            watch = [out_r, err_r, pidfd] + ([channel] if channel_open else []) + ([control] if control else [])
             ready = select.select(watch, [], [])[0]
+            if control is not None and control in ready:
+                try:
+                    message = wire.recv(control)
+                except OSError:
+                    message = None  # it died with an interrupt of ours unread
+                if message is None:
+                    control = None
+                else:
+                    _send_frame(link, b"c", [message[0]])
             # Output first: a rank flushes it before sending its value, so it arrives first.
             for fd, kind in ((out_r, b"o"), (err_r, b"e")):
                 if fd in ready:
@@ -843,7 +1008,10 @@ def _from_rank_loop(link: socket.socket, channel: socket.socket, out_r: int, err
 
 def _relay_message(link: socket.socket, channel: socket.socket) -> bool:
     """One message from the rank to the caller; False when the rank closed its end."""
-    message = wire.recv(channel)
+    try:
+        message = wire.recv(channel)
+    except OSError:
+        return False  # ECONNRESET: it died with a request of ours unread; its exit code follows
     if message is None:
         return False
     _send_message(link, *message)

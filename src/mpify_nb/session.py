@@ -60,9 +60,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
-from . import interrupts, libraries, payload, placement, wire
+from . import interrupts, payload, placement, wire
 from . import session_rank as proto
-from .ddp import _parse_gpus
+from .ddp import _listen_on, _parse_gpus
 from .errors import (
     CollectiveError,
     PayloadError,
@@ -96,10 +96,11 @@ class RankStatus:
     pid: int
     state: str  # "idle", "running" or "dead"
     device: str
-    rss: Optional[int]  # resident memory, bytes (None once dead)
+    rss: Optional[int]  # resident memory, bytes (None once dead, or on another host)
     gpu_memory: Optional[int]  # bytes allocated by torch on its GPU; None without CUDA
     last_cell: str  # first line of the last thing it ran
     exit_detail: str = ""  # how it died
+    node: str = "127.0.0.1"  # address of the host it runs on (a Ray node's, under Ray)
 
 
 class _Member:
@@ -111,7 +112,6 @@ class _Member:
         self.work = work
         self.control = control
         self.process = process
-        self.pid = process.pid
         self.out_r, self.err_r = out_r, err_r
         self.state = "starting"  # starting, idle, running, dead
         self.device = "?"
@@ -125,6 +125,10 @@ class _Member:
         self.exit_error: Optional[RankExitedError] = None
         self.start_failure: Optional[RemoteFailure] = None
         self.control_theirs: Optional[socket.socket] = None  # the rank's end, until sent
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid  # on a Ray node, known once the rank has called back
 
     @property
     def alive(self) -> bool:
@@ -161,17 +165,16 @@ class Session:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be a positive integer, not {n!r}")
         _check_timeout(timeout)
-        if placement.get_placement() != "local":
-            raise NotImplementedError(
-                f"Session: persistent ranks run on this machine only for now, and set_placement("
-                f"{placement.get_placement()!r}) is in effect; call mpify_nb.set_placement('local') first "
-                "(ranch, in_torchddp, @distributed and %%ranch do place their ranks on Ray)")
         self.world_size = n
         self.ddp = bool(ddp)
         self.timeout = timeout
         self._gpus = _parse_gpus(gpus)
         if self._gpus is not None and len(self._gpus) < n:
             raise ValueError(f"gpus={self._gpus} names {len(self._gpus)} GPUs for {n} ranks: give one per rank")
+        self._local = placement.get_placement() == "local"
+        if self._gpus is not None and not self._local:
+            raise ValueError("Session(gpus=...): under set_placement('ray') Ray gives each rank its GPUs "
+                             "(set_placement('ray', num_gpus=1)); leave gpus out")
         self._backend = backend
         self.closed = False
         self._gone = threading.Event()  # set when close() has ended every rank
@@ -188,10 +191,16 @@ class Session:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._selector.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
         self._relay = OutputRelay(sys.stdout, sys.stderr)
-        self._base_env = self._world_env()
+        self._placer: Optional[placement.Placer] = None
         _sessions.add(self)
         interrupts.install()  # from the main thread: the stop button then reaches calls on others
         try:
+            # Held for the session's life: on Ray, a placement group with a bundle per rank.
+            self._placer = placement.get_placer()
+            self._layout = self._placer.reserve(n, None, timeout)
+            self._base_env = dict(os.environ) if self._placer.ships_environ else {}
+            self._base_env.update(self._layout.world_env(n))
+            self._base_env.pop("MPIFY_NB_STORE_RANK", None)
             self._start(list(range(n)))
         except BaseException:
             self.close()
@@ -295,9 +304,9 @@ class Session:
         for r in sorted(self._members):
             m = self._members[r]
             state = "dead" if not m.alive else "running" if m.req != proto.NO_REQUEST else "idle"
-            rows.append(RankStatus(r, m.pid, state, m.device, None if state == "dead" else _rss(m.pid),
-                                   m.gpu_memory if state != "dead" else None, m.last_cell,
-                                   str(m.exit_error) if m.exit_error else ""))
+            rss = _rss(m.pid) if state != "dead" and m.process.shares_clock else None  # its /proc is ours
+            rows.append(RankStatus(r, m.pid, state, m.device, rss, m.gpu_memory if state != "dead" else None,
+                                   m.last_cell, str(m.exit_error) if m.exit_error else "", self._layout.nodes[r]))
         return rows
 
     def interrupt(self) -> None:
@@ -345,6 +354,8 @@ class Session:
                 for m in list(self._members.values()):
                     self._bury(m)
                 self._members.clear()
+                if self._placer is not None:
+                    self._placer.release()
                 self._selector.close()
                 os.close(self._wake_r)
                 os.close(self._wake_w)
@@ -386,22 +397,12 @@ class Session:
 
     # -- starting ranks ----------------------------------------------------------------
 
-    def _world_env(self) -> dict:
-        env = dict(os.environ)
-        env.update({"WORLD_SIZE": str(self.world_size), "LOCAL_WORLD_SIZE": str(self.world_size),
-                    "MASTER_ADDR": "127.0.0.1"})
-        env.update(libraries.torchrun_env(self.world_size))
-        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # all ranks are on this machine
-            env.setdefault(name, "lo")
-        env.pop("MPIFY_NB_STORE_RANK", None)
-        return env
-
-    def _session_config(self, rank: int, port: int) -> dict:
+    def _session_config(self, rank: int, rendezvous: tuple[str, int, bool]) -> dict:
         gpu: Any = "auto" if self._backend in (None, "nccl") else None
         if self._gpus is not None:
             gpu = self._gpus[rank]
         return {"world_size": self.world_size, "ddp": self.ddp, "backend": self._backend, "gpu": gpu,
-                "port": port}
+                "rendezvous": rendezvous}
 
     def _start(self, ranks: list[int]) -> None:
         """Start ``ranks`` (fresh processes) and, with ddp, (re)build the group with every
@@ -410,20 +411,27 @@ class Session:
         deadline = time.monotonic() + 5.0
         while any(m.alive and m.aborts > 0 for m in self._members.values()) and time.monotonic() < deadline:
             self._pump(0.05)
-        listener, port = _listener(self.world_size) if self.ddp else (None, 0)
+        live_old = [m for m in self._members.values() if m.alive and m.rank not in ranks]
+        host = min([m.rank for m in live_old] + ranks)  # the rank that hosts the store
+        placer = self._placer
+        assert placer is not None
+        listener = None
+        if self.ddp and self._local:  # bound here, handed to the host: no rank has to retry
+            listener = _listen_on("127.0.0.1", 0, self.world_size * 2)
+            address, port = listener.getsockname()[:2]
+        else:  # the host rank, on its own node, binds it itself
+            address, port = self._layout.master_addr, placer.store_port()
         try:
-            live_old = [m for m in self._members.values() if m.alive and m.rank not in ranks]
-            host = min([m.rank for m in live_old] + ranks)
-            placer = placement.get_placer() if ranks else None  # a rebuild starts no template
             common = {"cwd": os.getcwd(), "sys_path": list(sys.path), "argv": list(sys.argv)}
             new = []
             for r in ranks:
-                assert placer is not None
                 m = self._spawn(placer, r)
                 new.append(m)
-                env = dict(self._base_env, RANK=str(r), LOCAL_RANK=str(r), MASTER_PORT=str(port),
-                           **libraries.torchrun_rank_env(r))
-                setup = dict(common, rank=r, env=env, session=self._session_config(r, port))
+                if not self._local:
+                    address = self._layout.nodes[host]  # known once the host is placed (again)
+                env = dict(self._base_env, MASTER_ADDR=address, MASTER_PORT=str(port), **self._layout.env_of(r))
+                setup = dict(common, rank=r, env=env,
+                             session=self._session_config(r, (address, port, r == host)))
                 assert m.control_theirs is not None
                 fds = [m.control_theirs.fileno()] + ([listener.fileno()] if listener and r == host else [])
                 try:
@@ -433,9 +441,11 @@ class Session:
                 m.control_theirs.close()
                 m.control_theirs = None
             req = next(self._ids)
+            if not self._local:
+                address = self._layout.nodes[host]
             for m in live_old:
                 if self.ddp:
-                    body = pickle.dumps(port)
+                    body = pickle.dumps((address, port, m.rank == host))
                     self._send_request(m, proto.GROUP, req, body,
                                        [listener.fileno()] if listener and m.rank == host else [], None)
         finally:
@@ -516,10 +526,7 @@ class Session:
             pass  # its template died with it, or the kernel is slow: the pidfd says nothing more
         if m.state != "dead":
             m.process.exit_code(timeout=1.0)  # lets the template forget it
-        try:
-            os.killpg(m.pid, signal.SIGKILL)  # what it started, in its own process group
-        except OSError:
-            pass
+        m.process.kill_leftovers()  # what it started, in its own process group
         self._relay.forget([m.out_r, m.err_r])
         self._unregister(m.work, m.control, m.out_r, m.err_r, m.process.death_fd)
         if m.answer is not None:
@@ -737,7 +744,7 @@ class Session:
         self._group_broken = True
         live = [m for m in self._members.values() if m.alive]
         for m in live:
-            peers = pickle.dumps([p.pid for p in live if p is not m])
+            peers = pickle.dumps([(p.pid, self._layout.nodes[p.rank]) for p in live if p is not m])
             m.aborts += 1
             self._send_control(m, proto.ABORT_GROUP, proto.NO_REQUEST, peers)
 
@@ -943,20 +950,6 @@ def _failure_of(m: _Member, body: Any = None, fds: Optional[list[int]] = None) -
     if meta:
         m.gpu_memory = meta.get("gpu_memory")
     return failure.to_error(m.rank, payload.loads)
-
-
-def _listener(world_size: int) -> tuple[socket.socket, int]:
-    """A loopback socket listening on a fresh port, for the store's rank: it is bound before
-    any rank connects, so none has to retry, and no other process can take the port."""
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(world_size * 2)
-    except BaseException:
-        listener.close()
-        raise
-    return listener, listener.getsockname()[1]
 
 
 def _rss(pid: int) -> Optional[int]:

@@ -18,8 +18,9 @@ socketpair. It then never exits on its own::
                   (control channel closes) ───────────> the caller is gone: kill self
 
 The main thread starts the process group (a TCPStore whose listening socket the caller
-made and passed to the store's rank) and reports READY only once the group is up, so the
-caller's first request can never be lost. SIGINT raises KeyboardInterrupt only inside the
+made and passed to the store's rank; under Ray, where the caller is on another node, the
+store's rank binds it on its own node's address) and reports READY only once the group is
+up, so the caller's first request can never be lost. SIGINT raises KeyboardInterrupt only inside the
 user's code: an interrupt that lands between requests is ignored, and the rank, with its
 state, lives on.
 """
@@ -178,50 +179,60 @@ def _start(namespace: dict, rank: int, session: dict, listen_fd: Optional[int]) 
     backend = session.get("backend") or ("nccl" if gpu is not None else "gloo")
     _group.update(rank=rank, world_size=session["world_size"], backend=backend)
     if session["ddp"]:
-        _init_group(session["port"], listen_fd)
+        _init_group(session["rendezvous"], listen_fd)
     return {"pid": os.getpid(), "device": str(device), "backend": backend}
 
 
-def _init_group(port: int, listen_fd: Optional[int]) -> None:
-    """Join a new default process group on ``port``. The rank that hosts the store got the
-    listening socket from the caller: no rank can connect before it listens."""
+def _init_group(rendezvous: tuple[str, int, bool], listen_fd: Optional[int]) -> None:
+    """Join a new default process group at ``rendezvous`` (address, port, whether this rank
+    hosts the store). On one machine the store's rank got the listening socket from the
+    caller; on a Ray node it binds one on its node's address. Either way it listens before
+    it tells anyone the port, so no rank has to retry."""
     import torch.distributed as dist
     from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
+    from .ddp import _listen_on
+
+    addr, port, hosts_store = rendezvous
     rank, world = _group["rank"], _group["world_size"]
-    addr = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    rendezvous = datetime.timedelta(seconds=_RENDEZVOUS_TIMEOUT)
-    if listen_fd is not None:
-        store = TCPStore(addr, port, world, is_master=True, wait_for_workers=False, timeout=rendezvous,
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
+    timeout = datetime.timedelta(seconds=_RENDEZVOUS_TIMEOUT)
+    if hosts_store:
+        if listen_fd is None:
+            listen_fd = _listen_on(addr, port, world * 2).detach()
+        store = TCPStore(addr, port, world, is_master=True, wait_for_workers=False, timeout=timeout,
                          master_listen_fd=listen_fd)
     else:
-        store = TCPStore(addr, port, world, is_master=False, timeout=rendezvous)
+        store = TCPStore(addr, port, world, is_master=False, timeout=timeout)
     dist.init_process_group(backend=_group["backend"], rank=rank, world_size=world, store=store)
 
 
-def _cut_connections(peer_pids: list[int]) -> None:
+def _cut_connections(peers: list[tuple[int, str]]) -> None:
     """Shut down this rank's TCP connections to its peer ranks (gloo's pairs, the store's).
 
     Destroying a group is not enough to unstick a collective: its connections close only
     when the last reference to it goes, and the user's namespace may hold one (a subgroup
     ``g``, a DistributedDataParallel wrapper). A shut-down connection makes gloo raise at
     once, in this rank ("Read error") and in the peer ("Connection closed by peer"), even
-    when both are blocked. Only connections whose other end belongs to a peer rank are cut:
-    the user's own sockets are left alone."""
+    when both are blocked. ``peers`` are (pid, node address): a peer on this machine is
+    known by its sockets (only connections to a peer's sockets are cut, the user's own are
+    left alone); a peer on another host (under Ray) by its node's address."""
+    here = [pid for pid, node in peers if _on_this_machine(node)]
+    elsewhere = {_proc_address(node) for _pid, node in peers if not _on_this_machine(node)}
     mine = _socket_inodes("self")
     theirs: set[str] = set()
     readable = False
-    for pid in peer_pids:
+    for pid in here:
         found = _socket_inodes(str(pid))
         readable = readable or found is not None
         theirs |= set(found or ())
     table = _tcp_table()
     peer_ends = {table[inode][0] for inode in theirs if inode in table}
-    if peer_pids and not readable:
+    if here and not readable:
         # The peers' fds are hidden from us (hidepid, a hardened /proc): every loopback
-        # connection then counts as one to a peer, since all ranks live on this machine.
-        peer_ends = {ends[1] for ends in table.values() if _is_loopback(ends[1])}
+        # connection then counts as one to a peer on this machine.
+        peer_ends |= {ends[1] for ends in table.values() if _is_loopback(ends[1])}
+    peer_ends |= {ends[1] for ends in table.values() if ends[1].split(":")[0] in elsewhere}
     # The store's connections stay: cut, torch prints a C++ stack for each; the group's
     # destruction ends them anyway.
     store = f":{int(os.environ.get('MASTER_PORT', '0') or 0):04X}"
@@ -239,6 +250,24 @@ def _cut_connections(peer_pids: list[int]) -> None:
             pass
         finally:
             sock.close()
+
+
+def _on_this_machine(address: str) -> bool:
+    """Is ``address`` one of this host's (a Ray node on 127.0.0.3 of this machine is)?"""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as s:
+            s.bind((address, 0))
+        return True
+    except OSError:
+        return False
+
+
+def _proc_address(address: str) -> str:
+    """An IPv4 address as /proc/net/tcp writes it (hex, little-endian)."""
+    try:
+        return socket.inet_aton(address)[::-1].hex().upper()
+    except OSError:
+        return address
 
 
 def _is_loopback(endpoint: str) -> bool:
@@ -331,9 +360,8 @@ def _handle(kind: bytes, req_id: int, body, fds: list[int], namespace: dict, sta
             names = pickle.loads(body)
             value = sorted(n for n in names if n not in namespace and not hasattr(builtins, n))
         elif kind == GROUP:
-            port = pickle.loads(body)
             _destroy_group()
-            _init_group(port, fds[0] if fds else None)
+            _init_group(pickle.loads(body), fds[0] if fds else None)
             fds = []
             value = None
         else:

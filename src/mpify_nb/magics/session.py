@@ -149,20 +149,30 @@ def _short_exit(detail: str) -> str:
 
 
 def status_table(rows: list) -> tuple[str, str]:
-    """(text, html) of ``Session.status()`` rows: rank, pid, state, device, RSS, GPU memory, last cell."""
+    """(text, html) of ``Session.status()`` rows: rank, pid, state, device, RSS, GPU memory, last
+    cell; and each rank's node when they are not all on this machine (under Ray)."""
     head = ["rank", "pid", "state", "device", "RSS", "GPU memory", "last cell"]
+    elsewhere = any(_node_of(row) != "127.0.0.1" for row in rows)
+    if elsewhere:
+        head.insert(2, "node")
     cells = []
     for row in rows:
         state = row.state + (f" ({_short_exit(row.exit_detail)})" if getattr(row, "exit_detail", "") else "")
         last = (row.last_cell or "").splitlines()[0] if row.last_cell else ""
         cells.append([str(row.rank), str(row.pid), state, str(row.device), format_bytes(row.rss),
                       format_bytes(row.gpu_memory), last[:60]])
+        if elsewhere:
+            cells[-1].insert(2, _node_of(row))
     widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(head)]
     text = "\n".join("  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip() for line in [head, *cells])
     style = ' style="text-align:left"'
     header = "".join(f"<th{style}>{html.escape(h)}</th>" for h in head)
     body = "".join("<tr>" + "".join(f"<td{style}>{html.escape(v)}</td>" for v in line) + "</tr>" for line in cells)
     return text, f"<table><thead><tr>{header}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _node_of(row) -> str:
+    return getattr(row, "node", "127.0.0.1")
 
 
 def load(ipython) -> None:
@@ -302,7 +312,8 @@ def session_magics_class() -> type:
             rows = self._session.status()
             backend = getattr(self._session, "backend", None) or args.backend or ""
             print(f"{args.num_processes} ranks ready{f' ({backend})' if backend else ''}: "
-                  + ", ".join(f"rank {r.rank} pid {r.pid} on {r.device}" for r in rows))
+                  + ", ".join(f"rank {r.rank} pid {r.pid} on {r.device}"
+                              + (f" at {_node_of(r)}" if _node_of(r) != "127.0.0.1" else "") for r in rows))
             print("Automatic mode on: every cell runs on all ranks (%%local: in the kernel; "
                   "%dist_mode off to stop)")
 
