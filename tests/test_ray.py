@@ -31,6 +31,7 @@ from mpify_nb.ray_ranks import interface_of  # noqa: E402
 pytestmark = pytest.mark.timeout(300)
 
 HEAD, NODES = "127.0.0.4", ("127.0.0.2", "127.0.0.3")
+CLIENT_PORT = mpify_nb.placement.free_port(HEAD)  # Ray Client's server on the head
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,8 @@ def cluster():
     from ray.cluster_utils import Cluster
 
     c = Cluster(initialize_head=True,
-                head_node_args={"num_cpus": 0, "node_ip_address": HEAD, "include_dashboard": False})
+                head_node_args={"num_cpus": 0, "node_ip_address": HEAD, "include_dashboard": False,
+                                "ray_client_server_port": CLIENT_PORT})
     nodes = [c.add_node(num_cpus=2, node_ip_address=address) for address in NODES]
     try:
         mpify_nb.set_placement("ray", address=c.address)
@@ -325,8 +327,6 @@ def test_bad_options_are_named():
         mpify_nb.set_placement("ray", num_cpus=-1)
     with pytest.raises(ValueError, match="strategy must be one of"):
         mpify_nb.set_placement("ray", strategy="EVERYWHERE")
-    with pytest.raises(ValueError, match="Ray Client"):
-        mpify_nb.set_placement("ray", address="ray://10.0.0.1:10001")
     with pytest.raises(ValueError, match="placement must be one of"):
         mpify_nb.set_placement("slurm")
     with pytest.raises(TypeError, match="takes no options"):
@@ -447,6 +447,26 @@ def _target(fd: str) -> str:
         return os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
         return "?"
+
+
+def test_through_ray_client(cluster):
+    """A notebook outside the cluster (``ray://``): it cannot be a rank, and says so; every rank
+    on the cluster works, output and errors included; nothing of ours is left."""
+    proc = start_script("ray_client.py", f"ray://{HEAD}:{CLIENT_PORT}", env={"MPIFY_NB_PREWARM": "0"})
+    try:
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            kill_group(proc)
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    assert "client True" in out
+    assert "refused:" in out and "caller_rank=None" in out
+    assert "values [3.0, 3.0]" in out and "[rank 0] reduced 3.0" in out and "[rank 1] reduced 3.0" in out
+    assert "big True" in out
+    assert "raised 0 KeyError" in out
+    assert "session {0: 3.0, 1: 3.0}" in out
+    assert "between calls True" in out and "left []" in out
 
 
 def test_under_ray_token_authentication():

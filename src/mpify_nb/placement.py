@@ -76,7 +76,9 @@ def set_placement(kind: str = "local", **options: Any) -> None:
 
     ``"ray"`` options: ``address`` (None: the cluster this process is connected to, else
     ``ray.init(address="auto")``, else a new local one), ``num_cpus=1``, ``num_gpus=0`` and
-    ``resources`` (per rank), ``strategy="SPREAD"`` (a Ray placement-group strategy).
+    ``resources`` (per rank), ``strategy="SPREAD"`` (a Ray placement-group strategy). A Ray
+    Client address (``"ray://head:10001"``) works for calls with ``caller_rank=None`` and for
+    a ``Session``: this process is then not on the cluster, so it cannot be a rank.
     Needs Ray: ``pip install "mpify_nb[ray]"``.
 
     >>> import mpify_nb
@@ -89,12 +91,22 @@ def set_placement(kind: str = "local", **options: Any) -> None:
     if kind == "local":
         if options:
             raise TypeError(f"set_placement('local') takes no options, got {sorted(options)}")
+        _leave_ray()
         _placement, _ray_options = "local", None
         return
     from . import ray_ranks
 
     new_options = ray_ranks.RayOptions.make(**options)  # checks them, connects to the cluster
+    _leave_ray()
     _placement, _ray_options = "ray", new_options
+
+
+def _leave_ray() -> None:
+    """What the Ray placement keeps between calls (under Ray Client, the actor that carries the
+    ranks' links) ends with it."""
+    ray_ranks = sys.modules.get(f"{__package__}.ray_ranks")
+    if ray_ranks is not None:
+        ray_ranks.drop_hub()
 
 
 def get_placement() -> str:
@@ -110,6 +122,7 @@ def _placement_block(kind: str, **options: Any) -> Iterator[None]:
     try:
         yield
     finally:
+        _leave_ray()
         _placement, _ray_options = saved
 
 

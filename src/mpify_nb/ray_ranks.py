@@ -96,14 +96,15 @@ class RayOptions:
                                  f"not {name!r}: {value!r}")
         if strategy not in _STRATEGIES:
             raise ValueError(f"set_placement('ray'): strategy must be one of {_STRATEGIES}, not {strategy!r}")
-        if address is not None and address.startswith("ray://"):
-            raise ValueError(
-                "set_placement('ray'): Ray Client addresses (ray://...) are not supported: the ranks talk "
-                "back to this process, which must run on a node of the cluster. Run the notebook on the "
-                "head node (or any node) and pass the cluster's address, or None")
         options = cls(address, num_cpus, num_gpus, resources, strategy)
         connect(address)
         return options
+
+    @property
+    def client(self) -> bool:
+        """Through Ray Client (``ray://``): this process is not on the cluster, and the ranks
+        may not reach it."""
+        return self.address is not None and self.address.startswith("ray://")
 
     def bundle(self) -> dict[str, float]:
         wanted = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
@@ -147,6 +148,7 @@ class RayPlacer:
         self._here = ""  # the caller's node address
         self._token = secrets.token_bytes(32)
         self._listener: Optional[socket.socket] = None
+        self._tunnel: Optional[_Tunnel] = None  # under Ray Client, instead of the listener
         self._ranks: dict[int, _RayRank] = {}
         self._lock = threading.Lock()
         self._puts: dict[tuple[int, int], Any] = {}  # (st_dev, st_ino) of a memfd -> its ObjectRef
@@ -159,6 +161,13 @@ class RayPlacer:
         connect(self.options.address)
         from ray.util.placement_group import placement_group, placement_group_table
 
+        if self.options.client and caller_rank is not None:
+            raise ValueError(
+                f"this notebook reaches the Ray cluster through Ray Client ({self.options.address}), so it "
+                f"is not on the cluster and its ranks cannot reach it: it cannot be rank {caller_rank}. "
+                "Pass caller_rank=None (every rank on the cluster: ranch(..., caller_rank=None)), use a "
+                "Session or %dist_init instead of %%ranch (whose rank 0 is the notebook), or run the "
+                "notebook on a node of the cluster")
         others = [r for r in range(nprocs) if r != caller_rank]
         here: str = ray.util.get_node_ip_address()
         self._here = here
@@ -195,7 +204,10 @@ class RayPlacer:
         interfaces = {caller_rank: interface} if caller_rank is not None and interface else {}
         self._layout = placement.Layout(nodes, master, port, interfaces)
         if others:
-            self._listen(here)
+            if self.options.client:
+                self._tunnel = _Tunnel(self)
+            else:
+                self._listen(here)
             self._spawn(self._watch_nodes, "mpify_nb-ray-nodes")
         return self._layout
 
@@ -296,8 +308,11 @@ class RayPlacer:
         # A rank on this machine maps the caller's memfds themselves (as on one machine): no
         # transfer, no copy. The object is there for a rank that cannot open them.
         lent = [(os.getpid(), fd, *_identity(fd)) for fd in fds]
-        assert self._listener is not None
-        host, port = self._listener.getsockname()[:2]
+        if self._tunnel is not None:
+            host, port = self._tunnel.address
+        else:
+            assert self._listener is not None
+            host, port = self._listener.getsockname()[:2]
         task = _remote_serve_rank().options(
             num_cpus=self.options.num_cpus, num_gpus=self.options.num_gpus,
             resources=self.options.resources or None, max_retries=0, runtime_env=_WORKER_ENV,
@@ -365,6 +380,8 @@ class RayPlacer:
         tasks = [h._task for h in self._ranks.values() if h._task is not None]
         if tasks:
             self._ray.wait(tasks, num_returns=len(tasks), timeout=_KILL_GRACE)
+        if self._tunnel is not None:
+            self._tunnel.stop()
         if self._pg is not None:
             from ray.util.placement_group import remove_placement_group
 
@@ -375,6 +392,209 @@ class RayPlacer:
                 pass
             self._pg = None
         self._puts.clear()
+
+
+# -- Ray Client: the links go through an actor on the cluster -------------------------------
+
+class _Hub:
+    """Under Ray Client the notebook is outside the cluster: the ranks connect to this actor
+    instead (the same token check), and it carries each rank's link as bytes, to the notebook
+    in answers to ``poll`` and from it through ``send``. One per Ray Client connection, made by
+    its first call and reused (a new actor is a new worker process: 8 s per call here); it
+    keeps nothing of a call after ``forget``, and dies with the connection."""
+
+    def __init__(self) -> None:
+        import ray
+
+        address = ray.util.get_node_ip_address()
+        self._listener = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.bind((address, 0))
+        self._listener.listen(64)
+        self._calls: dict[bytes, list[tuple[str, int, Any]]] = {}  # token of an open call -> its events
+        self._links: dict[tuple[bytes, int], socket.socket] = {}
+        self._cond = threading.Condition()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def address(self) -> tuple[str, int]:
+        return self._listener.getsockname()[:2]
+
+    def open(self, token: bytes) -> None:
+        with self._cond:
+            self._calls[token] = []
+
+    def forget(self, token: bytes) -> None:
+        with self._cond:
+            self._calls.pop(token, None)
+            links = [key for key in self._links if key[0] == token]
+            for key in links:
+                self.close(*key)
+                self._links.pop(key).close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            _no_delay(sock)
+            threading.Thread(target=self._carry, args=(sock,), daemon=True).start()
+
+    def _carry(self, sock: socket.socket) -> None:
+        try:
+            sock.settimeout(10.0)
+            hello = wire._recv_exact(sock, 32 + 8)
+            sock.settimeout(None)
+        except (OSError, EOFError):
+            sock.close()
+            return
+        token = bytes(hello[:32])
+        rank, pid = struct.unpack("!II", hello[32:])
+        with self._cond:
+            known = next((t for t in self._calls if hmac.compare_digest(t, token)), None)
+            if known is None or (known, rank) in self._links:
+                sock.close()
+                return
+            self._links[(known, rank)] = sock
+            self._calls[known].append(("hello", rank, pid))
+            self._cond.notify_all()
+        while True:
+            try:
+                data = sock.recv(1 << 20)
+            except OSError:
+                data = b""
+            with self._cond:
+                if known in self._calls:
+                    self._calls[known].append(("data", rank, data) if data else ("closed", rank, None))
+                    self._cond.notify_all()
+            if not data:
+                return
+
+    def poll(self, token: bytes, timeout: float) -> Optional[list[tuple[str, int, Any]]]:
+        """The call's events since the last poll (None once it is forgotten)."""
+        with self._cond:
+            self._cond.wait_for(lambda: bool(self._calls.get(token, True)), timeout)
+            if token not in self._calls:
+                return None
+            events, self._calls[token] = self._calls[token], []
+        return events
+
+    def send(self, token: bytes, rank: int, data: bytes) -> None:
+        self._links[(token, rank)].sendall(data)
+
+    def close(self, token: bytes, rank: int) -> None:
+        link = self._links.get((token, rank))
+        if link is not None:
+            try:
+                link.shutdown(socket.SHUT_RDWR)  # its worker kills the rank
+            except OSError:
+                pass
+
+
+#: (the Ray Client connection it serves, its handle, its address)
+_hub: Optional[tuple[Any, Any, tuple[str, int]]] = None
+_hub_lock = threading.Lock()
+
+
+def _the_hub(ray: Any) -> tuple[Any, tuple[str, int]]:
+    """This Ray Client connection's hub, made on first use."""
+    global _hub
+    connection = ray.get_runtime_context().get_job_id()
+    with _hub_lock:
+        if _hub is None or _hub[0] != connection:
+            # Its own runtime env gives it its own worker: with the ranks' it would take a pooled
+            # worker that has torch imported, which would be lost to the ranks.
+            handle = ray.remote(_Hub).options(num_cpus=0, max_concurrency=64, runtime_env=_HUB_ENV,
+                                              name=f"mpify_nb-hub-{os.getpid()}-{secrets.token_hex(3)}").remote()
+            _hub = (connection, handle, tuple(ray.get(handle.address.remote())))
+        return _hub[1], _hub[2]
+
+
+def drop_hub() -> None:
+    """End this process's hub (``set_placement`` to somewhere else); a new call makes another."""
+    global _hub
+    with _hub_lock:
+        hub, _hub = _hub, None
+    if hub is not None:
+        try:
+            _import_ray().kill(hub[1])
+        except Exception:
+            pass
+
+
+class _Tunnel:
+    """The notebook's side of the hub for one call: each rank's link is one end of a socketpair
+    here, the rank's handle holding the other as if it were the TCP link."""
+
+    def __init__(self, placer: RayPlacer):
+        self._placer = placer
+        self._ray = placer._ray
+        self._token = placer._token
+        self.hub, self.address = _the_hub(self._ray)
+        self._ray.get(self.hub.open.remote(self._token))
+        self._ends: dict[int, socket.socket] = {}
+        placer._spawn(self._downstream, "mpify_nb-ray-hub")
+
+    def _downstream(self) -> None:
+        """Hub -> ranks' handles: links attached, their bytes, their ends."""
+        while True:
+            try:
+                events = self._ray.get(self.hub.poll.remote(self._token, 0.5))
+            except Exception:
+                events = None  # the hub died (its node left): the ranks' links are gone with it
+            if events is None:
+                for end in list(self._ends.values()):
+                    _shut(end)
+                return
+            for kind, rank, value in events:
+                if kind == "hello":
+                    ours, theirs = socket.socketpair()
+                    with self._placer._lock:
+                        handle = self._placer._ranks.get(rank)
+                    if handle is None or not handle.attach(theirs, value):
+                        ours.close()
+                        theirs.close()
+                        self.hub.close.remote(self._token, rank)
+                        continue
+                    self._ends[rank] = ours
+                    self._placer._spawn(self._upstream, f"mpify_nb-ray-hub{rank}", rank, ours)
+                elif rank in self._ends:
+                    try:
+                        if kind == "data":
+                            self._ends[rank].sendall(value)
+                        else:
+                            _shut(self._ends[rank])
+                    except OSError:
+                        pass
+
+    def _upstream(self, rank: int, ours: socket.socket) -> None:
+        """A rank's handle -> the hub, in order; its end closing means: stop that rank."""
+        try:
+            while True:
+                data = ours.recv(1 << 20)
+                if not data:
+                    break
+                self._ray.get(self.hub.send.remote(self._token, rank, data))
+        except Exception:
+            pass
+        try:
+            self._ray.get(self.hub.close.remote(self._token, rank), timeout=_KILL_GRACE)
+        except Exception:
+            pass
+
+    def stop(self) -> None:
+        try:
+            self._ray.get(self.hub.forget.remote(self._token), timeout=_KILL_GRACE)
+        except Exception:
+            pass
+        for end in self._ends.values():
+            end.close()
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 _serve_rank_remote: Any = None
@@ -769,6 +989,7 @@ def _write_all(fd: int, data) -> None:
 
 #: Our package imported in a Ray worker must not start a template of its own.
 _WORKER_ENV = {"env_vars": {"MPIFY_NB_CHILD": "1", "MPIFY_NB_PREWARM": "0"}}
+_HUB_ENV = {"env_vars": {"MPIFY_NB_CHILD": "1", "MPIFY_NB_PREWARM": "0", "MPIFY_NB_RAY_HUB": "1"}}
 
 
 def _serve_rank(caller: str, port: int, token: bytes, rank: int, setup: bytes, call: bytes, refs: list,
