@@ -54,8 +54,7 @@ def torchrun_env(nprocs: int, environ: Optional[Mapping[str, str]] = None, group
     for every rank, minus those the user set; ``groups``: the hosts the ranks run on. Per-rank
     ones: :func:`torchrun_rank_env` (and GROUP_RANK, from where the rank landed).
 
-    As torchrun does, ``OMP_NUM_THREADS=1`` when it is unset and several ranks share this
-    machine (each rank would otherwise use every core)."""
+    ``OMP_NUM_THREADS`` is per host: see :func:`torchrun_thread_env`."""
     if environ is None:
         environ = os.environ
     env = {
@@ -67,9 +66,16 @@ def torchrun_env(nprocs: int, environ: Optional[Mapping[str, str]] = None, group
         "TORCHELASTIC_RESTART_COUNT": "0",
         "TORCHELASTIC_MAX_RESTARTS": "0",
     }
-    if nprocs > 1:
-        env["OMP_NUM_THREADS"] = "1"
     return {k: v for k, v in env.items() if k not in environ}
+
+
+def torchrun_thread_env(ranks_on_host: int, environ: Optional[Mapping[str, str]] = None) -> dict:
+    """As torchrun does, ``OMP_NUM_THREADS=1`` when it is unset and several ranks share the
+    rank's host (each would otherwise use every core); a rank alone on its host (a Ray node)
+    keeps them all."""
+    if environ is None:
+        environ = os.environ
+    return {"OMP_NUM_THREADS": "1"} if ranks_on_host > 1 and "OMP_NUM_THREADS" not in environ else {}
 
 
 def apply_thread_env(env: dict) -> None:
@@ -214,4 +220,5 @@ def _unbind_from_call(handler: logging.Handler) -> None:
         handler.setStream(inner)
 
 
-__all__ = ["SINGLETONS", "LibraryState", "apply_thread_env", "launched_externally", "torchrun_env", "torchrun_rank_env"]
+__all__ = ["SINGLETONS", "LibraryState", "apply_thread_env", "launched_externally", "torchrun_env", "torchrun_rank_env",
+           "torchrun_thread_env"]

@@ -173,7 +173,7 @@ class Layout:
 
     def world_env(self, nprocs: int) -> dict[str, str]:
         """What every rank's environment holds alike: WORLD_SIZE, MASTER_ADDR/PORT, and
-        torchrun's ROLE_*, GROUP_WORLD_SIZE, OMP_NUM_THREADS=1... unless the user set them."""
+        torchrun's ROLE_*, GROUP_WORLD_SIZE... unless the user set them."""
         from . import libraries
 
         env = {"WORLD_SIZE": str(nprocs), "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
@@ -181,13 +181,14 @@ class Layout:
         return env
 
     def env_of(self, rank: int) -> dict[str, str]:
-        """Rank ``rank``'s own variables: RANK, LOCAL_RANK... and gloo/NCCL on the NIC that holds
-        its node's address (unless the user chose one)."""
+        """Rank ``rank``'s own variables: RANK, LOCAL_RANK..., OMP_NUM_THREADS=1 when its host has
+        other ranks, and gloo/NCCL on the NIC that holds its node's address (unless the user chose)."""
         from . import libraries
 
         env = {"RANK": str(rank), **libraries.torchrun_rank_env(rank)}
-        env.update({k: v for k, v in self.rank_env(rank).items()
-                    if k != "GROUP_RANK" or "GROUP_RANK" not in os.environ})
+        local = self.rank_env(rank)
+        env.update({k: v for k, v in local.items() if k != "GROUP_RANK" or "GROUP_RANK" not in os.environ})
+        env.update(libraries.torchrun_thread_env(int(local["LOCAL_WORLD_SIZE"])))
         interface = self.interfaces.get(rank)
         if interface:
             env.update({name: interface for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
