@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Optional
 
 import pytest
 
@@ -452,19 +453,12 @@ def _target(fd: str) -> str:
 def test_through_ray_client(cluster):
     """A notebook outside the cluster (``ray://``): it cannot be a rank, and says so; every rank
     on the cluster works, output and errors included; nothing of ours is left."""
-    proc = start_script("ray_client.py", f"ray://{HEAD}:{CLIENT_PORT}", env={"MPIFY_NB_PREWARM": "0"})
-    try:
-        out, err = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            kill_group(proc)
-            proc.communicate()
-    assert proc.returncode == 0, err[-3000:]
+    out = _run_script("ray_client.py", f"ray://{HEAD}:{CLIENT_PORT}")
     assert "client True" in out
     assert "refused:" in out and "caller_rank=None" in out
     assert "values [3.0, 3.0]" in out and "[rank 0] reduced 3.0" in out and "[rank 1] reduced 3.0" in out
     assert "big True" in out
-    assert "raised 0 KeyError" in out
+    assert "raised 0 KeyError" in out or "raised 1 KeyError" in out  # both raise: the first one heard
     assert "session {0: 3.0, 1: 3.0}" in out
     assert "between calls True" in out and "left []" in out
 
@@ -474,14 +468,19 @@ def test_under_ray_token_authentication():
     tasks, submitted by the authenticated driver), and a driver with a wrong token is refused."""
     import secrets
 
-    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), "MPIFY_NB_PREWARM": "0"}
-    proc = start_script("ray_token_auth.py", env=env)
+    out = _run_script("ray_token_auth.py", env={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)})
+    assert "values [2.0, 2.0]" in out, out
+    assert "intruder refused" in out, out
+
+
+def _run_script(name: str, *args: str, env: Optional[dict] = None) -> str:
+    """Run tests/scripts/<name> (its own Ray driver); its stdout, once it exited with 0."""
+    proc = start_script(name, *args, env={"MPIFY_NB_PREWARM": "0", **(env or {})})
     try:
         out, err = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
             kill_group(proc)
             proc.communicate()
-    assert proc.returncode == 0, err[-3000:]
-    assert "values [2.0, 2.0]" in out, out + err[-3000:]
-    assert "intruder refused" in out, out
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    return out

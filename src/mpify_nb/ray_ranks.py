@@ -48,7 +48,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -282,7 +282,7 @@ class RayPlacer:
         listener.bind((address, 0))
         listener.listen(64)
         self._listener = listener
-        self._spawn(self._accept, "mpify_nb-ray-accept")
+        self._spawn(_accept_links, "mpify_nb-ray-accept", listener, self._greet)
 
     def _spawn(self, target, name: str, *args) -> None:
         threading.Thread(target=target, args=args, name=name, daemon=True).start()
@@ -331,30 +331,12 @@ class RayPlacer:
                 self._puts[key] = ref
         return ref
 
-    def _accept(self) -> None:
-        listener = self._listener
-        assert listener is not None
-        while not self._released:
-            try:
-                sock, _ = listener.accept()
-            except OSError:
-                return  # closed by release()
-            _no_delay(sock)
-            threading.Thread(target=self._greet, args=(sock,), name="mpify_nb-ray-greet", daemon=True).start()
-
     def _greet(self, sock: socket.socket) -> None:
-        """The first bytes of a link: the call's token, the rank, the rank's pid. Anything else: closed."""
-        try:
-            sock.settimeout(10.0)
-            hello = wire._recv_exact(sock, 32 + 8)
-            sock.settimeout(None)
-        except (OSError, EOFError):
+        hello = _read_hello(sock)
+        if hello is None or not hmac.compare_digest(hello[0], self._token):
             sock.close()
             return
-        if not hmac.compare_digest(bytes(hello[:32]), self._token):
-            sock.close()
-            return
-        rank, pid = struct.unpack("!II", hello[32:])
+        _token, rank, pid = hello
         with self._lock:
             handle = self._ranks.get(rank)
         if handle is None or not handle.attach(sock, pid):
@@ -413,7 +395,7 @@ class _Hub:
         self._calls: dict[bytes, list[tuple[str, int, Any]]] = {}  # token of an open call -> its events
         self._links: dict[tuple[bytes, int], socket.socket] = {}
         self._cond = threading.Condition()
-        threading.Thread(target=self._accept, daemon=True).start()
+        threading.Thread(target=_accept_links, args=(self._listener, self._carry), daemon=True).start()
 
     def address(self) -> tuple[str, int]:
         return self._listener.getsockname()[:2]
@@ -430,25 +412,12 @@ class _Hub:
                 self.close(*key)
                 self._links.pop(key).close()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                sock, _ = self._listener.accept()
-            except OSError:
-                return
-            _no_delay(sock)
-            threading.Thread(target=self._carry, args=(sock,), daemon=True).start()
-
     def _carry(self, sock: socket.socket) -> None:
-        try:
-            sock.settimeout(10.0)
-            hello = wire._recv_exact(sock, 32 + 8)
-            sock.settimeout(None)
-        except (OSError, EOFError):
+        hello = _read_hello(sock)
+        if hello is None:
             sock.close()
             return
-        token = bytes(hello[:32])
-        rank, pid = struct.unpack("!II", hello[32:])
+        token, rank, pid = hello
         with self._cond:
             known = next((t for t in self._calls if hmac.compare_digest(t, token)), None)
             if known is None or (known, rank) in self._links:
@@ -763,11 +732,7 @@ class _RayRank:
     def _from_rank(self, link: socket.socket) -> None:
         """Rank -> caller: output into the relay's pipes, messages into the launcher's channel."""
         try:
-            while True:
-                frame = _recv_frame(link)
-                if frame is None:
-                    break
-                kind, parts = frame
+            for kind, parts in _frames(link):
                 if kind == b"o":
                     _write_all(self._out, parts[0])
                 elif kind == b"e":
@@ -924,6 +889,31 @@ def _send_frame(sock: socket.socket, kind: bytes, parts: Sequence[Any]) -> None:
             sock.sendall(part)
 
 
+def _accept_links(listener: socket.socket, on_link) -> None:
+    """Each connection to ``listener`` to ``on_link(sock)``, on a thread of its own, until the
+    listener is closed."""
+    while True:
+        try:
+            sock, _ = listener.accept()
+        except OSError:
+            return  # closed: the call (or the hub) is over
+        _no_delay(sock)
+        threading.Thread(target=on_link, args=(sock,), name="mpify_nb-ray-link", daemon=True).start()
+
+
+def _read_hello(sock: socket.socket) -> Optional[tuple[bytes, int, int]]:
+    """The first bytes of a link: (the call's token, the rank, the rank's pid); None if the
+    peer sends less within 10 s. Nothing is unpickled before the token is checked."""
+    try:
+        sock.settimeout(10.0)
+        hello = wire._recv_exact(sock, 32 + 8)
+        sock.settimeout(None)
+    except (OSError, EOFError):
+        return None
+    rank, pid = struct.unpack("!II", hello[32:])
+    return bytes(hello[:32]), rank, pid
+
+
 #: Frames up to this size are sent in one write.
 _SMALL_FRAME = 64 * 1024
 
@@ -952,6 +942,15 @@ def _deliver(channel: socket.socket, parts: list) -> None:
         wire.send(channel, parts[0], fds)
     finally:
         payload.close_fds(fds)
+
+
+def _frames(sock: socket.socket) -> Iterator[tuple[bytes, list]]:
+    """The frames arriving on ``sock``, until it is closed."""
+    while True:
+        frame = _recv_frame(sock)
+        if frame is None:
+            return
+        yield frame
 
 
 def _recv_frame(sock: socket.socket) -> Optional[tuple[bytes, list]]:
@@ -1172,11 +1171,7 @@ class _Child:
 def _to_rank(link: socket.socket, channel: socket.socket, control: Optional[socket.socket], child: _Child) -> None:
     """Caller -> rank. The caller closing the link means: stop now (it failed, or was interrupted)."""
     try:
-        while True:
-            frame = _recv_frame(link)
-            if frame is None:
-                break
-            kind, parts = frame
+        for kind, parts in _frames(link):
             if kind == b"c" and control is not None:
                 wire.send(control, parts[0])
             else:
