@@ -277,7 +277,8 @@ def session_magics_class() -> type:
             if args.num_processes < 1:
                 raise usage("dist_init", f"N must be at least 1, not {args.num_processes}", _INIT_USAGE)
             if args.master_addr not in ("localhost", "127.0.0.1"):
-                raise usage("dist_init", "ranks run on this machine only (--master-addr localhost)")
+                raise usage("dist_init", "--master-addr: the rendezvous address is chosen for you (127.0.0.1 "
+                                         "on this machine; a node's address under set_placement('ray'))")
             gpus = None
             if args.gpu_ids is not None:
                 if not re.fullmatch(r"\d+(,\d+)*", args.gpu_ids.replace(" ", "").strip("'\"")):
