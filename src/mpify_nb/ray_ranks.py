@@ -322,8 +322,7 @@ class RayPlacer:
 
     def _put(self, fd: int) -> Any:
         """The object holding memfd ``fd``'s bytes: put once per call, whichever rank asks first."""
-        st = os.fstat(fd)
-        key = (st.st_dev, st.st_ino)
+        key = _identity(fd)
         with self._lock:
             ref = self._puts.get(key)
             if ref is None:
@@ -1083,17 +1082,16 @@ def _call_memfds(refs: list, lent: list) -> list[int]:
     else a copy of the object Ray brought to this node."""
     import ray
 
-    fds: list[int] = []
+    fds: list[Optional[int]] = [_open_lent(*handle) for handle in lent]
     try:
-        for ref, (pid, number, dev, ino) in zip(refs, lent):
-            fd = _open_lent(pid, number, dev, ino)
-            if fd is None:
-                fd = payload._memfd_of(memoryview(ray.get(ref)).cast("B"))
-            fds.append(fd)
+        missing = [i for i, fd in enumerate(fds) if fd is None]
+        if missing:  # one get: Ray moves them side by side
+            for i, data in zip(missing, ray.get([refs[i] for i in missing])):
+                fds[i] = payload._memfd_of(memoryview(data).cast("B"))
     except BaseException:
-        payload.close_fds(fds)
+        payload.close_fds([fd for fd in fds if fd is not None])
         raise
-    return fds
+    return [fd for fd in fds if fd is not None]
 
 
 def _open_lent(pid: int, number: int, dev: int, ino: int) -> Optional[int]:

@@ -415,20 +415,20 @@ class Session:
         host = min([m.rank for m in live_old] + ranks)  # the rank that hosts the store
         placer = self._placer
         assert placer is not None
+        # The store lives in the host rank, on its node's address (127.0.0.1 on this machine).
         listener = None
         if self.ddp and self._local:  # bound here, handed to the host: no rank has to retry
-            listener = _listen_on("127.0.0.1", 0, self.world_size * 2)
-            address, port = listener.getsockname()[:2]
-        else:  # the host rank, on its own node, binds it itself
-            address, port = self._layout.master_addr, placer.store_port()
+            listener = _listen_on(self._layout.nodes[host], 0, self.world_size * 2)
+            port = listener.getsockname()[1]
+        else:  # on a Ray node the host binds it itself
+            port = placer.store_port() if self.ddp else 0
         try:
             common = {"cwd": os.getcwd(), "sys_path": list(sys.path), "argv": list(sys.argv)}
             new = []
             for r in ranks:
-                m = self._spawn(placer, r)
+                m = self._spawn(placer, r)  # the host first: its node is known once it is placed (again)
                 new.append(m)
-                if not self._local:
-                    address = self._layout.nodes[host]  # known once the host is placed (again)
+                address = self._layout.nodes[host]
                 env = dict(self._base_env, MASTER_ADDR=address, MASTER_PORT=str(port), **self._layout.env_of(r))
                 setup = dict(common, rank=r, env=env,
                              session=self._session_config(r, (address, port, r == host)))
@@ -441,11 +441,9 @@ class Session:
                 m.control_theirs.close()
                 m.control_theirs = None
             req = next(self._ids)
-            if not self._local:
-                address = self._layout.nodes[host]
             for m in live_old:
                 if self.ddp:
-                    body = pickle.dumps((address, port, m.rank == host))
+                    body = pickle.dumps((self._layout.nodes[host], port, m.rank == host))
                     self._send_request(m, proto.GROUP, req, body,
                                        [listener.fileno()] if listener and m.rank == host else [], None)
         finally:
