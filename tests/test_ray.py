@@ -453,7 +453,8 @@ def _target(fd: str) -> str:
 def test_through_ray_client(cluster):
     """A notebook outside the cluster (``ray://``): it cannot be a rank, and says so; every rank
     on the cluster works, output and errors included; nothing of ours is left."""
-    out = _run_script("ray_client.py", f"ray://{HEAD}:{CLIENT_PORT}")
+    logs = os.path.join(cluster[0].head_node.get_session_dir_path(), "logs", "ray_client_server*")
+    out = _run_script("ray_client.py", f"ray://{HEAD}:{CLIENT_PORT}", logs=logs)
     assert "client True" in out
     assert "refused:" in out and "caller_rank=None" in out
     assert "values [3.0, 3.0]" in out and "[rank 0] reduced 3.0" in out and "[rank 1] reduced 3.0" in out
@@ -473,8 +474,9 @@ def test_under_ray_token_authentication():
     assert "intruder refused" in out, out
 
 
-def _run_script(name: str, *args: str, env: Optional[dict] = None) -> str:
-    """Run tests/scripts/<name> (its own Ray driver); its stdout, once it exited with 0."""
+def _run_script(name: str, *args: str, env: Optional[dict] = None, logs: str = "") -> str:
+    """Run tests/scripts/<name> (its own Ray driver); its stdout, once it exited with 0. On a
+    failure, the ends of the log files the glob ``logs`` names are shown too (Ray's own servers)."""
     proc = start_script(name, *args, env={"MPIFY_NB_PREWARM": "0", **(env or {})})
     try:
         out, err = proc.communicate(timeout=240)
@@ -482,5 +484,15 @@ def _run_script(name: str, *args: str, env: Optional[dict] = None) -> str:
         if proc.poll() is None:
             kill_group(proc)
             proc.communicate()
-    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    assert proc.returncode == 0, out[-2000:] + err[-3000:] + (_log_tails(logs) if logs else "")
     return out
+
+
+def _log_tails(pattern: str) -> str:
+    import glob
+
+    tails = []
+    for path in sorted(glob.glob(pattern)):
+        with open(path, errors="replace") as f:
+            tails.append(f"\n--- {os.path.basename(path)} ---\n" + f.read()[-1500:])
+    return "".join(tails)

@@ -582,10 +582,11 @@ def _store_port(here: str) -> int:
     to a worker per call, which Ray may have to start). A port below the kernel's ephemeral
     range is never handed out for outgoing connections, so only a service listening there
     can hold it; free here too. If the store's host has one, its rank fails at once with
-    "address already in use", which names the port."""
+    "address already in use", which names the port. Ray's own default ranges end below
+    ``_STORE_PORT_LOW`` (workers 10002-19999, Ray Client's per-driver servers 23000-23999)."""
     low = _ephemeral_low()
     for _ in range(100):
-        port = secrets.randbelow(low - 20000) + 20000
+        port = secrets.randbelow(low - _STORE_PORT_LOW) + _STORE_PORT_LOW
         try:
             with socket.socket(socket.AF_INET6 if ":" in here else socket.AF_INET) as s:
                 s.bind((here, port))
@@ -595,12 +596,15 @@ def _store_port(here: str) -> int:
     return placement.free_port(here)
 
 
+_STORE_PORT_LOW = 24000
+
+
 def _ephemeral_low() -> int:
     """The lowest port the kernel hands out for outgoing connections."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             low = int(f.read().split()[0])
-        if low > 20100:
+        if low > _STORE_PORT_LOW + 100:
             return low
     except (OSError, ValueError, IndexError):
         pass
