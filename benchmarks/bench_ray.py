@@ -15,7 +15,9 @@ pid): a head with no CPUs (the caller's node, 127.0.0.4) and two worker nodes of
 * a 256 MB tensor to 2 ranks on one node (``strategy="STRICT_PACK"``), the caller playing no
   rank, against one local copy of it (``clone()``) (target <= 2x). Every node of this cluster
   is this machine, so the ranks map the caller's memfds (the path for ranks on the caller's
-  machine); ranks on another host get the tensor through Ray's object store instead.
+  machine). Then the same call as from another host (``ray_ranks.LEND_MEMFDS = False``): one
+  object put, fetched once to the node, mapped in place by both ranks; beside it Ray's own
+  floor for that path, a ``ray.put`` and one fetch to the node (for information).
 
 Run: ``.venv/bin/python benchmarks/bench_ray.py [--quick]``.
 """
@@ -61,6 +63,43 @@ def _session_figures(mpify_nb, reps: int, results: list[Result]) -> None:
     results.append(Result("10.5", "Session(2) on Ray: run('1'), caller -> both nodes -> caller", median(trivial),
                           "s"))
     results.append(Result("10.6", "Session(2) on Ray: run(all_reduce of 4 floats)", median(reduces), "s"))
+
+
+def _object_store_figures(ray, ranch, big, touch, clone_s: float, reps: int, results: list[Result]) -> None:
+    """The 256 MB call as from another host, and Ray's floor for it (put + one fetch to a node)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from mpify_nb import ray_ranks
+
+    @ray.remote(num_cpus=0)
+    def fetch(objects):
+        return len(ray.get(objects[0]))
+
+    workers = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]
+    ray_ranks.LEND_MEMFDS = False
+    try:
+        for _ in range(2):
+            ranch(2, touch, big, caller_rank=None)
+        calls, floors = [], []
+        for i in range(reps):
+            t0 = time.perf_counter()
+            assert ranch(2, touch, big, caller_rank=None) == [float(big[-1])] * 2
+            calls.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            ref = ray.put(big.numpy())
+            on = NodeAffinitySchedulingStrategy(workers[i % len(workers)], soft=False)
+            assert ray.get(fetch.options(scheduling_strategy=on).remote([ref])) == big.numel()
+            floors.append(time.perf_counter() - t0)
+            del ref
+    finally:
+        ray_ranks.LEND_MEMFDS = True
+    ratio = median(calls) / clone_s
+    print(f"256 MB through the object store: {fmt_list(calls)}; Ray's put + fetch to a node: {fmt_list(floors)}",
+          flush=True)
+    results.append(Result("10.3b", "256 MB to 2 ranks on one node through the object store (as from another "
+                          "host) / one local clone()", ratio, "x",
+                          detail=f"call {fmt_s(median(calls))}; Ray's own put + one fetch to the node "
+                                 f"{fmt_s(median(floors))} = {median(floors) / clone_s:.1f}x"))
 
 
 def main() -> int:
@@ -151,6 +190,7 @@ def main() -> int:
         print(f"256 MB to 2 ranks on one node: {fmt_list(sends)}; clone(): {fmt_list(copies)}", flush=True)
         results.append(Result("10.3", "256 MB tensor to 2 Ray ranks on one node / one local clone()", ratio, "x",
                               "<= 2x", ratio <= 2, f"call {fmt_s(median(sends))} vs clone {fmt_s(median(copies))}"))
+        _object_store_figures(ray, ranch, big, touch, median(copies), reps, results)
     finally:
         mpify_nb.set_placement("local")
         ray.shutdown()

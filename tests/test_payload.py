@@ -211,6 +211,39 @@ def test_pieces_stop_at_the_budget(four_copy_threads, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(back, tensors))
 
 
+@pytest.mark.parametrize("gap", [0, 4096], ids=["back to back", "apart"])
+def test_windows_of_one_file_are_the_tensors(four_copy_threads, gap):
+    """What a rank on a Ray node maps (ray_ranks._StoreFiles): the call's memfds as windows of
+    one bigger file, at any offset. Back to back, a big tensor's pieces map as one tensor, in
+    place and copy-on-write; apart, they are copied into one."""
+    import os
+
+    import numpy as np
+
+    t = torch.arange((32 << 20) // 4 + 3, dtype=torch.float32)  # 4 pieces, the last not a whole page
+    arr = np.arange(300_000, dtype=np.float64)  # one memfd
+    data, fds = mpify_nb.payload.dumps({"t": t, "view": t[5:], "arr": arr})
+    store = os.memfd_create("store", os.MFD_CLOEXEC)
+    windows, offset = {}, 256  # an object's bytes start past its header, not on a page
+    try:
+        os.pwrite(store, b"header", 0)
+        for i, fd in enumerate(fds):
+            size = os.fstat(fd).st_size
+            os.pwrite(store, os.pread(fd, size, 0), offset)
+            windows[i] = (offset, size)
+            offset += size + gap
+        back = mpify_nb.payload.loads(data, [os.dup(store) for _ in fds], private=True, windows=windows)
+        assert torch.equal(back["t"], t) and torch.equal(back["view"], t[5:]) and np.array_equal(back["arr"], arr)
+        assert back["view"].data_ptr() == back["t"].data_ptr() + 20, "the view lost its aliasing"
+        in_store = hr.mapping_of(back["t"].data_ptr() + (20 << 20)).startswith("/memfd:store")
+        assert in_store == (gap == 0)
+        before = os.pread(store, 8, windows[0][0])
+        back["t"] += 1  # copy-on-write: the store keeps its bytes
+        assert float(back["t"][0]) == 1.0 and os.pread(store, 8, windows[0][0]) == before
+    finally:
+        mpify_nb.payload.close_fds(fds + [store])
+
+
 @pytest.mark.parametrize("view", ["big", "small"])
 def test_a_tensor_and_its_view_keep_their_aliasing(view):
     base = torch.zeros(1 << 20)  # 4 MiB

@@ -197,6 +197,73 @@ def test_big_tensors_go_both_ways(on_ray):
     assert all(torch.equal(t, big * 2) for _, t in out)
 
 
+def test_ranks_on_another_host_map_the_object_stores_copy(on_ray, monkeypatch):
+    """A rank that cannot map the caller's memfds (on another host; here, lending turned off)
+    maps the call's object where its node's Ray store holds it: one fetch per node, no copy per
+    rank, copy-on-write (ranks on one node write without seeing each other), a big tensor's
+    pieces as one tensor, a view still sharing its tensor's memory."""
+    from mpify_nb import ray_ranks
+
+    monkeypatch.setattr(ray_ranks, "LEND_MEMFDS", False)
+    mpify_nb.set_placement("ray", address=on_ray[0].address, strategy="STRICT_PACK")  # both on one node
+    big = torch.arange(8 * 1024 * 1024, dtype=torch.float32)  # 32 MiB: in pieces
+    small = torch.arange(300_000, dtype=torch.float64)  # 2.4 MB: one memfd
+
+    def write_then_read(big, small, view):
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        big[5] = small[1] = -1.0 - rank
+        dist.barrier()  # both have written
+        where = {line.split()[1] for line in open("/proc/self/maps") if "/plasma" in line}
+        return big[5].item(), view[0].item(), big[-1].item(), small[-1].item(), sorted(where)
+
+    out = ranch(2, write_then_read, big, small, small[1::2], ctx=in_torchddp(), caller_rank=None)
+    for rank, (mine, through_view, last, small_last, where) in enumerate(out):
+        assert (mine, through_view) == (-1.0 - rank, -1.0 - rank), f"rank {rank}: {out}"
+        assert (last, small_last) == (big[-1].item(), small[-1].item())
+        assert "rw-p" in where, f"rank {rank} holds no private mapping of the store's file: {where}"
+    assert big[5].item() == 5.0 and small[1].item() == 1.0
+    _assert_nothing_left()
+
+
+@pytest.mark.parametrize("through", ["map_files", "holder"])
+def test_store_files_find_an_arrays_window(through):
+    """ray_ranks._StoreFiles on a file mapped shared (as Ray leaves its store in a worker),
+    opened again through /proc/self/map_files or through the fds of a process that holds it
+    (the raylet; here this process): the window is that file at the array's offset; memory of
+    no file has none."""
+    import mmap
+
+    import numpy as np
+
+    from mpify_nb.ray_ranks import _StoreFiles
+
+    fd = os.memfd_create("store", os.MFD_CLOEXEC)
+    os.ftruncate(fd, 1 << 20)
+    mapped = mmap.mmap(fd, 1 << 20)
+    if through == "map_files":
+        os.close(fd)
+        files = _StoreFiles()
+    else:
+        files = _StoreFiles(holder=os.getpid(), map_files=False)
+    array = np.frombuffer(mapped, dtype=np.uint8)[4160:4160 + 1000]
+    array[:] = 7
+    try:
+        window = files.window(array)
+        assert window is not None
+        found, offset, length = window
+        assert (offset, length) == (4160, 1000) and os.pread(found, 1000, offset) == b"\x07" * 1000
+        os.close(found)
+        assert files.window(np.zeros(1000, dtype=np.uint8)) is None
+    finally:
+        files.close()
+        del array
+        mapped.close()
+        if through == "holder":
+            os.close(fd)
+
+
 def test_rank_that_raises(on_ray):
     def fails(x):
         import torch.distributed as dist

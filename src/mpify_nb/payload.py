@@ -152,10 +152,11 @@ def _same(x):
 
 
 class _Unpickler(dill.Unpickler):
-    def __init__(self, file, fds: list[int], *, private: bool):
+    def __init__(self, file, fds: list[int], *, private: bool, windows: Optional[dict[int, tuple[int, int]]] = None):
         super().__init__(file)
         self._fds = fds
         self._private = private
+        self._windows = windows or {}  # fd index -> (offset, length): that part of the file, not all of it
         self._objects: dict[int, Any] = {}  # the object number in the pid -> what it became
         self._mappings: dict[int, Any] = {}  # fd index -> a uint8 tensor (or array) mapping it
 
@@ -193,7 +194,11 @@ class _Unpickler(dill.Unpickler):
         """The memfd ``index`` mapped once: ranks map it private (copy-on-write: their writes
         stay their own), the caller shared (the result *is* the mapping, no second copy)."""
         if index not in self._mappings:
-            if isinstance(index, tuple):
+            indices = index if isinstance(index, tuple) else (index,)
+            if indices[0] in self._windows:
+                self._mappings[index] = _map_windows(
+                    [(self._fds[i], *self._windows[i]) for i in indices], self._private)
+            elif isinstance(index, tuple):
                 self._mappings[index] = _map_pieces([self._fds[i] for i in index], self._private)
             else:
                 self._mappings[index] = _map_memfd(self._fds[index], self._private)
@@ -350,14 +355,19 @@ def _munmap(address: int, size: int) -> None:
     _libc.munmap(address, size)
 
 
+def _libc_loaded():
+    global _libc
+    if _libc is None:
+        _libc = _libc_mmap()
+    return _libc
+
+
 def _map_pieces(fds: list[int], private: bool):
     """Map memfds back to back, as one flat uint8 tensor (numpy array without torch) that
     unmaps them all when it goes. Like ``_map_memfd``, keeps no descriptor open."""
     import mmap
 
-    global _libc
-    if _libc is None:
-        _libc = _libc_mmap()
+    _libc_loaded()
     sizes = [os.fstat(fd).st_size for fd in fds]
     total = sum(sizes)
     failed = ctypes.c_void_p(-1).value
@@ -380,10 +390,59 @@ def _map_pieces(fds: list[int], private: bool):
     except BaseException:
         _libc.munmap(base, total)
         raise
-    buffer = (ctypes.c_uint8 * total).from_address(base)
-    unmap = weakref.finalize(buffer, _munmap, base, total)  # when the last tensor/array on it goes
-    unmap.atexit = False  # at exit something may still read it
+    return _flat_view(base, total, base, total)
+
+
+def _map_windows(windows: list[tuple[int, int, int]], private: bool):
+    """Map windows (fd, offset, length) of a file as one flat uint8 tensor (numpy array without
+    torch), like ``_map_pieces``: the pieces of one tensor lying back to back in a bigger file
+    (Ray's object store, see ray_ranks._StoreFiles). Windows that are not back to back in one
+    file are copied into one buffer instead."""
+    import mmap
+
+    fd, start, _ = windows[0]
+    total = sum(length for _, _, length in windows)
+    if total == 0:
+        return _flat_view(0, 0, 0, 0)
+    here = os.fstat(fd)
+    for (_, start_a, length_a), (fd_b, start_b, _) in zip(windows, windows[1:]):
+        other = os.fstat(fd_b)
+        if start_b != start_a + length_a or (other.st_dev, other.st_ino) != (here.st_dev, here.st_ino):
+            return _copied([_map_windows([window], private) for window in windows])
+    _libc_loaded()
+    aligned = start - start % mmap.PAGESIZE
+    length = start - aligned + total
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if private else 0)  # the file is open read-only
+    flags = mmap.MAP_PRIVATE if private else mmap.MAP_SHARED
+    base = _libc.mmap(None, length, prot, flags, fd, aligned)
+    if base in (None, ctypes.c_void_p(-1).value):
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot map {total} bytes of a shared tensor: {os.strerror(err)}")
+    return _flat_view(base + start - aligned, total, base, length)
+
+
+def _copied(parts: list):
     torch = sys.modules.get("torch")
+    if torch is not None:
+        return torch.cat(parts)
+    import numpy
+
+    return numpy.concatenate(parts)
+
+
+def _flat_view(address: int, nbytes: int, base: int, length: int):
+    """``nbytes`` at ``address`` as a flat uint8 tensor (numpy array without torch) that unmaps
+    ``length`` bytes at ``base`` when the last tensor or array on it goes."""
+    torch = sys.modules.get("torch")
+    if nbytes == 0:
+        if torch is not None:
+            return torch.empty(0, dtype=torch.uint8)
+        import numpy
+
+        return numpy.empty(0, dtype=numpy.uint8)
+    buffer = (ctypes.c_uint8 * nbytes).from_address(address)
+    unmap = weakref.finalize(buffer, _munmap, base, length)
+    unmap.atexit = False  # at exit something may still read it
     if torch is not None:
         return torch.frombuffer(buffer, dtype=torch.uint8)  # holds ``buffer`` while it lives
     import numpy
@@ -413,10 +472,13 @@ def dumps(obj: Any, *, classes_by_name: bool = False) -> tuple[bytes, list[int]]
     return buf.getvalue(), pickler.fds
 
 
-def loads(data, fds: Sequence[int] = (), *, private: bool = False) -> Any:
-    """Unpickle what ``dumps`` made. Closes ``fds`` (mappings stay valid without them)."""
+def loads(data, fds: Sequence[int] = (), *, private: bool = False,
+          windows: Optional[dict[int, tuple[int, int]]] = None) -> Any:
+    """Unpickle what ``dumps`` made. Closes ``fds`` (mappings stay valid without them).
+    ``windows``: fd index -> (offset, length), for an fd whose tensor is only that part of
+    its file (see ``_map_windows``)."""
     try:
-        return _Unpickler(io.BytesIO(data), list(fds), private=private).load()
+        return _Unpickler(io.BytesIO(data), list(fds), private=private, windows=windows).load()
     finally:
         close_fds(fds)
 
@@ -476,8 +538,9 @@ def pack_call(
     return PackedCall(data, fds)
 
 
-def unpack_call(data, fds) -> tuple[Callable, tuple, dict, Any, dict, str]:
-    *call, sources = loads(data, fds, private=True)
+def unpack_call(data, fds, windows: Optional[dict[int, tuple[int, int]]] = None
+                ) -> tuple[Callable, tuple, dict, Any, dict, str]:
+    *call, sources = loads(data, fds, private=True, windows=windows)
     for filename, lines in sources.items():  # a warning's or traceback's source line, as in the notebook
         linecache.cache.setdefault(filename, (sum(map(len, lines)), None, lines, filename))
     return tuple(call)  # type: ignore[return-value]

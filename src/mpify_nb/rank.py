@@ -81,7 +81,7 @@ def main(channel_fd: int, expected_parent: int) -> None:
         message = wire.recv(channel)
         if message is None:
             os._exit(1)
-        fn, args, kwargs, ctx, needed, imports = payload.unpack_call(*message)
+        fn, args, kwargs, ctx, needed, imports = payload.unpack_call(*message, windows=config.get("windows"))
         main_dict = sys.modules["__main__"].__dict__
         main_dict.update(needed)
         if imports:

@@ -11,7 +11,9 @@ and the caller's launcher, payload, relay and errors see a rank like any other::
       where they landed -> LOCAL_RANK, GROUP_RANK, MASTER_ADDR/PORT
     start(r): a bridge holds rank r's channel end
       launcher sends setup + call to the bridge
-      memfds -> ray.put, once per call ──── object store ─> ray.get, into memfds (per node: one transfer);
+      memfds -> one ray.put per call ────── object store ─> ray.get (per node: one transfer); the rank
+                                                             maps the object where the node's store
+                                                             holds it, copy-on-write (no copy per rank);
                                                              on the caller's machine: its memfds, opened
                                                              through /proc (no transfer, no copy)
       submit _serve_rank in bundle r ─────────────────────> connects back: TCP to the caller, token first
@@ -62,6 +64,10 @@ _PLACEMENT_PATIENCE = 120.0
 _KILL_GRACE = 3.0
 #: Seconds between two looks at which of the call's nodes are still in the cluster.
 _NODE_CHECK = 1.0
+#: A rank on the caller's machine maps the caller's memfds (opened through /proc) rather than
+#: the object store's copy. False sends every rank through the object store, as on another
+#: host (benchmarks/bench_ray.py measures that path with it).
+LEND_MEMFDS = True
 
 
 def _import_ray():
@@ -151,7 +157,7 @@ class RayPlacer:
         self._tunnel: Optional[_Tunnel] = None  # under Ray Client, instead of the listener
         self._ranks: dict[int, _RayRank] = {}
         self._lock = threading.Lock()
-        self._puts: dict[tuple[int, int], Any] = {}  # (st_dev, st_ino) of a memfd -> its ObjectRef
+        self._puts: dict[tuple, Any] = {}  # the (st_dev, st_ino) of a call's memfds -> their ObjectRef
         self._released = False
 
     # -- reserve ---------------------------------------------------------------------------
@@ -304,10 +310,10 @@ class RayPlacer:
         """Start ``handle``'s rank on its bundle; its call's memfds go through the object store."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        refs = [self._put(fd) for fd in fds]
+        objects = self._put(fds)
         # A rank on this machine maps the caller's memfds themselves (as on one machine): no
         # transfer, no copy. The object is there for a rank that cannot open them.
-        lent = [(os.getpid(), fd, *_identity(fd)) for fd in fds]
+        lent = [(os.getpid(), fd, *_identity(fd)) if LEND_MEMFDS else None for fd in fds]
         if self._tunnel is not None:
             host, port = self._tunnel.address
         else:
@@ -318,15 +324,21 @@ class RayPlacer:
             resources=self.options.resources or None, max_retries=0, runtime_env=_WORKER_ENV,
             name=f"mpify_nb rank {handle.rank}",
             scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, self._bundle_of[handle.rank]))
-        return task.remote(host, port, self._token, handle.rank, bytes(setup), bytes(call), refs, lent)
+        # In a list: Ray would fetch an ObjectRef passed as such before the task starts, and a
+        # rank that maps the caller's memfds needs no copy on its node.
+        return task.remote(host, port, self._token, handle.rank, bytes(setup), bytes(call), [objects], lent)
 
-    def _put(self, fd: int) -> Any:
-        """The object holding memfd ``fd``'s bytes: put once per call, whichever rank asks first."""
-        key = _identity(fd)
+    def _put(self, fds: list[int]) -> Any:
+        """One object holding the bytes of every memfd of the call (a list, one array each): put
+        once per call, whichever rank asks first. One object keeps the pieces of a big tensor
+        back to back in a node's store, where its ranks map them as one tensor."""
+        if not fds:
+            return None
+        key = tuple(_identity(fd) for fd in fds)
         with self._lock:
             ref = self._puts.get(key)
             if ref is None:
-                ref = self._ray.put(_read_memfd(fd))
+                ref = self._ray.put([_read_memfd(fd) for fd in fds])
                 self._puts[key] = ref
         return ref
 
@@ -872,7 +884,9 @@ def _explain(error: BaseException, node: str) -> str:
         return f"its node {node} left the Ray cluster ({name})"
     if "WorkerCrashed" in name or "ActorDied" in name:
         return f"the Ray worker process hosting it on {node} died ({name}: {first[:200]})"
-    return f"its Ray task failed: {name}: {first[:300]}"
+    # A RayTaskError's first line names only the task and worker; what went wrong is its last.
+    last = next((line.strip() for line in reversed(text) if line.strip()), "")
+    return f"its Ray task failed: {name}: {first[:300]}" + (f" ... {last[:300]}" if last != first.strip() else "")
 
 
 # -- frames on the link ----------------------------------------------------------------------
@@ -994,7 +1008,7 @@ _WORKER_ENV = {"env_vars": {"MPIFY_NB_CHILD": "1", "MPIFY_NB_PREWARM": "0"}}
 _HUB_ENV = {"env_vars": {"MPIFY_NB_CHILD": "1", "MPIFY_NB_PREWARM": "0", "MPIFY_NB_RAY_HUB": "1"}}
 
 
-def _serve_rank(caller: str, port: int, token: bytes, rank: int, setup: bytes, call: bytes, refs: list,
+def _serve_rank(caller: str, port: int, token: bytes, rank: int, setup: bytes, call: bytes, objects: list,
                 lent: list) -> int:
     """A Ray task: run rank ``rank`` in a process forked here, relaying it to the caller over one
     TCP link, until it exits or the caller drops the link. Returns the rank's exit code."""
@@ -1007,9 +1021,13 @@ def _serve_rank(caller: str, port: int, token: bytes, rank: int, setup: bytes, c
     link = socket.create_connection((caller, port), timeout=30)
     link.settimeout(None)
     _no_delay(link)
-    fds = _call_memfds(refs, lent)
+    # ``held``: the object store's copy of the call's memfds, which the rank may map; held (so
+    # pinned in the store) until this task returns, after the rank has exited.
+    fds, windows, held = _call_memfds(objects[0], lent)
     config = pickle.loads(setup)
     _adapt(config, ray.util.get_node_ip_address())
+    if windows:
+        config["windows"] = windows
     ours, theirs = wire.socketpair()
     control, control_theirs = wire.socketpair() if config.get("session") else (None, None)
     out_r, out_w = os.pipe2(os.O_CLOEXEC)
@@ -1080,22 +1098,110 @@ def _identity(fd: int) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
-def _call_memfds(refs: list, lent: list) -> list[int]:
-    """The call's memfds, here: the caller's own when this is its machine (opened through
-    /proc, checked to be the same file: a pid in another pid namespace is another process),
-    else a copy of the object Ray brought to this node."""
+def _call_memfds(objects: Any, lent: list) -> tuple[list[int], dict[int, tuple[int, int]], Any]:
+    """The call's memfds, here, as the rank will map them, with the windows among them and
+    what must stay alive while the rank runs. A memfd is the caller's own when this is its
+    machine (opened through /proc, checked to be the same file: a pid in another pid namespace
+    is another process). Else the rank maps the object Ray brought to this node where it lies
+    in the object store's shared-memory file, copy-on-write: fds[i] is that file and
+    ``windows[i]`` the (offset, length) of memfd i in it. Only where the store's file cannot be
+    opened (see ``_StoreFiles``) does the rank get a copy."""
     import ray
 
-    fds: list[Optional[int]] = [_open_lent(*handle) for handle in lent]
+    fds: list[Optional[int]] = [_open_lent(*handle) if handle else None for handle in lent]
+    windows: dict[int, tuple[int, int]] = {}
+    held = None
+    files = _StoreFiles()
     try:
         missing = [i for i, fd in enumerate(fds) if fd is None]
-        if missing:  # one get: Ray moves them side by side
-            for i, data in zip(missing, ray.get([refs[i] for i in missing])):
-                fds[i] = payload._memfd_of(memoryview(data).cast("B"))
+        if missing:  # one get: the node fetches the call's object once, for all its ranks
+            held = ray.get(objects)
+            for i in missing:
+                window = files.window(held[i])
+                if window is not None:
+                    fds[i], windows[i] = window[0], window[1:]
+                else:
+                    fds[i] = payload._memfd_of(memoryview(held[i]).cast("B"))
     except BaseException:
         payload.close_fds([fd for fd in fds if fd is not None])
         raise
-    return [fd for fd in fds if fd is not None]
+    finally:
+        files.close()
+    return [fd for fd in fds if fd is not None], windows, held
+
+
+class _StoreFiles:
+    """Where an array that ``ray.get`` returned lies in the object store's shared-memory file.
+
+    Ray maps the store's file (``/dev/shm/plasma...``, unlinked) into every worker and closes
+    its descriptor; the raylet, this worker's parent, keeps one open. This finds the mapping
+    that holds the array in /proc/self/maps, opens the same file through
+    /proc/self/map_files (where this process may) or the raylet's /proc/<pid>/fd (same user),
+    checked by device and inode, and gives a rank a window of it to map. Nothing found (another
+    store layout, a hardened /proc): None, and the rank gets a copy."""
+
+    def __init__(self, holder: Optional[int] = None, map_files: bool = True) -> None:
+        self._holder = os.getppid() if holder is None else holder  # a process that keeps the file open
+        self._map_files = map_files  # try /proc/self/map_files first (CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE)
+        self._maps: Optional[list[tuple[int, int, int, int, int]]] = None  # start, end, offset, dev, inode
+        self._opened: dict[tuple[int, int], Optional[int]] = {}  # (dev, inode) -> our fd of the file
+
+    def window(self, array: Any) -> Optional[tuple[int, int, int]]:
+        """(a new fd of the store's file, offset, length) of ``array``'s bytes, or None."""
+        try:
+            import numpy
+        except ImportError:
+            return None
+        if not isinstance(array, numpy.ndarray) or not array.flags.c_contiguous or array.nbytes == 0:
+            return None
+        address = array.ctypes.data
+        for start, end, offset, dev, inode in self._mappings():
+            if start <= address and address + array.nbytes <= end:
+                fd = self._open(start, end, dev, inode)
+                return None if fd is None else (os.dup(fd), offset + address - start, array.nbytes)
+        return None
+
+    def _mappings(self) -> list[tuple[int, int, int, int, int]]:
+        if self._maps is None:
+            self._maps = []
+            with open("/proc/self/maps") as f:
+                for line in f:
+                    fields = line.split()
+                    if len(fields) < 6 or "s" not in fields[1] or fields[4] == "0":
+                        continue  # only shared mappings of a file
+                    start, end = (int(x, 16) for x in fields[0].split("-"))
+                    major, minor = (int(x, 16) for x in fields[3].split(":"))
+                    self._maps.append((start, end, int(fields[2], 16), os.makedev(major, minor), int(fields[4])))
+        return self._maps
+
+    def _open(self, start: int, end: int, dev: int, inode: int) -> Optional[int]:
+        key = (dev, inode)
+        if key not in self._opened:
+            self._opened[key] = None
+            holder = f"/proc/{self._holder}/fd"
+            try:
+                paths = [os.path.join(holder, name) for name in os.listdir(holder)]
+            except OSError:
+                paths = []
+            if self._map_files:
+                paths.insert(0, f"/proc/self/map_files/{start:x}-{end:x}")
+            for path in paths:
+                try:
+                    st = os.stat(path)
+                    if (st.st_dev, st.st_ino) != key:
+                        continue
+                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                except OSError:
+                    continue
+                if _identity(fd) == key:
+                    self._opened[key] = fd
+                    break
+                os.close(fd)
+        return self._opened[key]
+
+    def close(self) -> None:
+        payload.close_fds([fd for fd in self._opened.values() if fd is not None])
+        self._opened.clear()
 
 
 def _open_lent(pid: int, number: int, dev: int, ino: int) -> Optional[int]:
