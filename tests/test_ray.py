@@ -264,6 +264,20 @@ def test_store_files_find_an_arrays_window(through):
             os.close(fd)
 
 
+def test_a_failed_ray_task_is_explained_by_its_last_line():
+    """A RayTaskError's first line names only the task and worker; the user sees what went wrong."""
+    from mpify_nb.ray_ranks import _explain
+
+    class RayTaskError(Exception):
+        pass
+
+    error = RayTaskError("ray::mpify_nb rank 1() (pid=7, ip=127.0.0.2)\n  File \"x.py\", line 3, in f\n"
+                         "ConnectionRefusedError: [Errno 111] Connection refused\n")
+    text = _explain(error, "127.0.0.2")
+    assert "rank 1()" in text and text.endswith("ConnectionRefusedError: [Errno 111] Connection refused")
+    assert _explain(RayTaskError("one line"), "n") == "its Ray task failed: RayTaskError: one line"
+
+
 def test_rank_that_raises(on_ray):
     def fails(x):
         import torch.distributed as dist
