@@ -15,7 +15,7 @@ pid): a head with no CPUs (the caller's node, 127.0.0.4) and two worker nodes of
 * a 256 MB tensor to 2 ranks on one node (``strategy="STRICT_PACK"``), the caller playing no
   rank, against one local copy of it (``clone()``) (target <= 2x). Every node of this cluster
   is this machine, so the ranks map the caller's memfds (the path for ranks on the caller's
-  machine). Then the same call as from another host (``ray_ranks.LEND_MEMFDS = False``): one
+  machine). Then the same call as from another host (``ray_ranks.placer.LEND_MEMFDS = False``): one
   object put, fetched once to the node, mapped in place by both ranks; beside it Ray's own
   floor for that path, a ``ray.put`` and one fetch to the node (for information).
 
@@ -69,14 +69,14 @@ def _object_store_figures(ray, ranch, big, touch, clone_s: float, reps: int, res
     """The 256 MB call as from another host, and Ray's floor for it (put + one fetch to a node)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from mpify_nb import ray_ranks
+    from mpify_nb.ray_ranks import placer
 
     @ray.remote(num_cpus=0)
     def fetch(objects):
         return len(ray.get(objects[0]))
 
     workers = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]
-    ray_ranks.LEND_MEMFDS = False
+    placer.LEND_MEMFDS = False
     try:
         for _ in range(2):
             ranch(2, touch, big, caller_rank=None)
@@ -92,7 +92,7 @@ def _object_store_figures(ray, ranch, big, touch, clone_s: float, reps: int, res
             floors.append(time.perf_counter() - t0)
             del ref
     finally:
-        ray_ranks.LEND_MEMFDS = True
+        placer.LEND_MEMFDS = True
     ratio = median(calls) / clone_s
     print(f"256 MB through the object store: {fmt_list(calls)}; Ray's put + fetch to a node: {fmt_list(floors)}",
           flush=True)

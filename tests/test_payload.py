@@ -213,7 +213,7 @@ def test_pieces_stop_at_the_budget(four_copy_threads, monkeypatch):
 
 @pytest.mark.parametrize("gap", [0, 4096], ids=["back to back", "apart"])
 def test_windows_of_one_file_are_the_tensors(four_copy_threads, gap):
-    """What a rank on a Ray node maps (ray_ranks._StoreFiles): the call's memfds as windows of
+    """What a rank on a Ray node maps (ray_ranks.worker.StoreFiles): the call's memfds as windows of
     one bigger file, at any offset. Back to back, a big tensor's pieces map as one tensor, in
     place and copy-on-write; apart, they are copied into one."""
     import os

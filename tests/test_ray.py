@@ -202,9 +202,7 @@ def test_ranks_on_another_host_map_the_object_stores_copy(on_ray, monkeypatch):
     maps the call's object where its node's Ray store holds it: one fetch per node, no copy per
     rank, copy-on-write (ranks on one node write without seeing each other), a big tensor's
     pieces as one tensor, a view still sharing its tensor's memory."""
-    from mpify_nb import ray_ranks
-
-    monkeypatch.setattr(ray_ranks, "LEND_MEMFDS", False)
+    monkeypatch.setattr(mpify_nb.ray_ranks.placer, "LEND_MEMFDS", False)
     mpify_nb.set_placement("ray", address=on_ray[0].address, strategy="STRICT_PACK")  # both on one node
     big = torch.arange(8 * 1024 * 1024, dtype=torch.float32)  # 32 MiB: in pieces
     small = torch.arange(300_000, dtype=torch.float64)  # 2.4 MB: one memfd
@@ -229,7 +227,7 @@ def test_ranks_on_another_host_map_the_object_stores_copy(on_ray, monkeypatch):
 
 @pytest.mark.parametrize("through", ["map_files", "holder"])
 def test_store_files_find_an_arrays_window(through):
-    """ray_ranks._StoreFiles on a file mapped shared (as Ray leaves its store in a worker),
+    """ray_ranks.worker.StoreFiles on a file mapped shared (as Ray leaves its store in a worker),
     opened again through /proc/self/map_files or through the fds of a process that holds it
     (the raylet; here this process): the window is that file at the array's offset; memory of
     no file has none."""
@@ -237,16 +235,16 @@ def test_store_files_find_an_arrays_window(through):
 
     import numpy as np
 
-    from mpify_nb.ray_ranks import _StoreFiles
+    from mpify_nb.ray_ranks.worker import StoreFiles
 
     fd = os.memfd_create("store", os.MFD_CLOEXEC)
     os.ftruncate(fd, 1 << 20)
     mapped = mmap.mmap(fd, 1 << 20)
     if through == "map_files":
         os.close(fd)
-        files = _StoreFiles()
+        files = StoreFiles()
     else:
-        files = _StoreFiles(holder=os.getpid(), map_files=False)
+        files = StoreFiles(holder=os.getpid(), map_files=False)
     array = np.frombuffer(mapped, dtype=np.uint8)[4160:4160 + 1000]
     array[:] = 7
     try:
@@ -266,7 +264,7 @@ def test_store_files_find_an_arrays_window(through):
 
 def test_a_failed_ray_task_is_explained_by_its_last_line():
     """A RayTaskError's first line names only the task and worker; the user sees what went wrong."""
-    from mpify_nb.ray_ranks import _explain
+    from mpify_nb.ray_ranks.handle import _explain
 
     class RayTaskError(Exception):
         pass

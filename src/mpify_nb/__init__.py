@@ -11,7 +11,7 @@ launcher.py     ranch(): the call from start to teardown, the watch over ranks
 interrupts.py   the stop button for calls on threads other than the main one
 session.py      Session: persistent ranks across calls (session_rank.py: their serve loop)
 payload.py      packing the call and the results (dill, shared-memory tensors)
-placement.py    where a rank starts (the seam): template fork, fresh spawn, or Ray (ray_ranks.py)
+placement.py    where a rank starts (the seam): template fork, fresh spawn, or Ray (ray_ranks/)
 template.py     the warm process ranks are forked from
 preload.py      what the template comes to hold: the modules ranks need
 rank.py         what a rank does from birth to exit

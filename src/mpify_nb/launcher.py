@@ -7,7 +7,7 @@ Data flow of one call::
     pack_call(fn, args, ctx)  ── PayloadError here, before any rank exists
     placer.reserve(world) ── where each rank lands: LOCAL_RANK, GROUP_RANK, MASTER_ADDR/PORT
     placer.start(r) ─────────────────────────────────────────> born (forked from template, spawned,
-                                                                 or forked on a Ray node: ray_ranks.py)
+                                                                 or forked on a Ray node: ray_ranks/)
     send setup + call ───────── socketpair ─────────────────> load call           (rank.py)
     wait for every READY  <──────────────────────────────────  READY
     send GO to all ─────────────────────────────────────────> (no rendezvous before every rank loaded)

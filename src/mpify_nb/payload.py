@@ -396,7 +396,7 @@ def _map_pieces(fds: list[int], private: bool):
 def _map_windows(windows: list[tuple[int, int, int]], private: bool):
     """Map windows (fd, offset, length) of a file as one flat uint8 tensor (numpy array without
     torch), like ``_map_pieces``: the pieces of one tensor lying back to back in a bigger file
-    (Ray's object store, see ray_ranks._StoreFiles). Windows that are not back to back in one
+    (Ray's object store, see ray_ranks.worker.StoreFiles). Windows that are not back to back in one
     file are copied into one buffer instead."""
     import mmap
 

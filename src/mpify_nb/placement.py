@@ -16,7 +16,7 @@ Three placers:
   (see template.py): tens of milliseconds per call.
 * ``SpawnPlacer``: each rank is a brand-new interpreter (``python -c``): seconds
   per call, since each imports torch, but it shares nothing with anything.
-* ``RayPlacer`` (ray_ranks.py): ranks on the nodes of a Ray cluster, the caller
+* ``RayPlacer`` (ray_ranks/): ranks on the nodes of a Ray cluster, the caller
   still a rank on its own node.
 
 On this machine choose with ``mpify_nb.set_start_method("template" | "spawn")`` or
