@@ -495,6 +495,33 @@ def raise_str_exploding(ranks: tuple) -> int:
     return rank()
 
 
+def fork_printers_while_rank_1_prints(seconds: float) -> int:
+    """Rank 1 prints for ``seconds`` (the caller's relay thread writes all the while); rank 0
+    (the caller) forks children meanwhile, each of which prints once and exits. Returns, on
+    rank 0, how many children blocked in that print (killed after 3 s), 0 on rank 1."""
+    if os.environ["RANK"] == "1":
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            print("rank 1 line", "x" * 40)
+        return 0
+    hung = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and not hung:
+        pid = os.fork()
+        if pid == 0:
+            print("child", os.getpid(), flush=True)  # blocks for ever on a lock inherited held
+            os._exit(0)
+        deadline = time.monotonic() + 3
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                hung += 1
+                break
+            time.sleep(0.001)
+    return hung
+
+
 def partial_line_then_wait(flag: str, seen_in) -> str:
     """Rank 1 prints a partial line and waits (up to 30 s) for ``flag`` to exist; rank 0
     watches ``seen_in()`` (the caller's captured output) for that line and creates ``flag``.

@@ -10,6 +10,8 @@ from __future__ import annotations
 import io
 import re
 import sys
+import threading
+import time
 
 import pytest
 
@@ -57,6 +59,30 @@ def test_partial_line_is_shown_before_its_end(tmp_path, monkeypatch):
     assert results == ["watched", "seen"]
     # Its end came on the same line: nobody else wrote meanwhile.
     assert "[rank 1] working... done\n" in captured.getvalue()
+
+
+class _LockedStream(io.TextIOBase):
+    """Writes the way ipykernel's OutStream does: holding the stream's ``_buffer_lock``."""
+
+    def __init__(self) -> None:
+        self._buffer_lock = threading.RLock()
+        self.writes = 0
+
+    def write(self, text: str) -> int:
+        with self._buffer_lock:
+            time.sleep(0.0002)  # a wide window for a fork to land in
+            self.writes += 1
+        return len(text)
+
+
+def test_a_child_forked_while_the_relay_writes_can_print(monkeypatch):
+    """A child the caller forks while the relay thread holds the caller's stream's own lock
+    (ipykernel's, in a notebook) would inherit it held and block on its first print. Forks wait
+    for the relay's write, and children get fresh locks. Before: the first child or so hung."""
+    stream = _LockedStream()
+    monkeypatch.setattr(sys, "stdout", stream)
+    assert mpify_nb.ranch(2, hr.fork_printers_while_rank_1_prints, 2.0) == [0, 0]
+    assert stream.writes > 100  # rank 1's lines did go through the relay meanwhile
 
 
 def test_rank_0_dataloader_workers_that_print_never_hang(notebook):

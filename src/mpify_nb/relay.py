@@ -124,19 +124,47 @@ class _LineTracker:
 _running: weakref.WeakSet[OutputRelay] = weakref.WeakSet()
 
 
+# The caller's own rank may fork (DataLoader workers on rank 0) while the relay thread
+# writes: a child inherits every lock held at that moment, held for ever (its holder does not
+# exist there), and its first print blocks. Two locks are at stake: the one the relay's
+# trackers share, and the caller's stream's own (ipykernel's OutStream takes ``_buffer_lock``
+# in every write, the relay thread's and its IOPub thread's). So a fork waits until neither
+# is held, holds both across the fork (the order every writer takes them in), and the child
+# gets fresh ones, with no line to wait for.
+_held_over_fork: list[Any] = []
+
+
+def _before_fork() -> None:
+    relays = list(_running)
+    # Every relay's lock before any stream's (a relay thread holds its own while it waits for
+    # a stream's), and a stream that two relays write to once.
+    streams = {id(lock): lock for relay in relays for lock in
+               (getattr(target, "_buffer_lock", None) for target in relay._targets) if lock is not None}
+    for lock in [*(relay._cond for relay in relays), *streams.values()]:
+        lock.acquire()
+        _held_over_fork.append(lock)
+
+
+def _after_fork_in_parent() -> None:
+    while _held_over_fork:
+        _held_over_fork.pop().release()
+
+
 def _after_fork_in_child() -> None:
-    """The caller's own rank may fork (DataLoader workers on rank 0) while the relay thread
-    holds the lock its trackers share; the child would inherit it locked, and its first
-    print would block forever. The relay thread does not exist in the child: give the
-    child's trackers a lock of their own, and no line to wait for."""
+    _held_over_fork.clear()
     for relay in list(_running):
         relay._cond = threading.Condition()
         for tracker in relay._trackers:
             tracker._cond = relay._cond
             tracker.mid_line = False
+        for target in relay._targets:
+            lock = getattr(target, "_buffer_lock", None)
+            if lock is not None:
+                target._buffer_lock = type(lock)()  # type: ignore[union-attr]
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
 
 
 #: Serializes the swapping of sys.stdout/sys.stderr between relays of concurrent calls.
