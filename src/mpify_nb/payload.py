@@ -367,12 +367,12 @@ def _map_pieces(fds: list[int], private: bool):
     unmaps them all when it goes. Like ``_map_memfd``, keeps no descriptor open."""
     import mmap
 
-    _libc_loaded()
+    libc = _libc_loaded()
     sizes = [os.fstat(fd).st_size for fd in fds]
     total = sum(sizes)
     failed = ctypes.c_void_p(-1).value
     # Reserve the whole range, then map each piece over its part of it.
-    base = _libc.mmap(None, total, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    base = libc.mmap(None, total, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
     if base in (None, failed):
         err = ctypes.get_errno()
         raise OSError(err, f"cannot reserve {total} bytes for a shared tensor: {os.strerror(err)}")
@@ -382,13 +382,13 @@ def _map_pieces(fds: list[int], private: bool):
         for fd, size in zip(fds, sizes):
             if size % mmap.PAGESIZE and offset + size != total:
                 raise ValueError("a piece of a shared tensor is not a whole number of pages")
-            got = _libc.mmap(base + offset, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
+            got = libc.mmap(base + offset, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
             if got != base + offset:
                 err = ctypes.get_errno()
                 raise OSError(err, f"cannot map a piece of a shared tensor: {os.strerror(err)}")
             offset += size
     except BaseException:
-        _libc.munmap(base, total)
+        libc.munmap(base, total)
         raise
     return _flat_view(base, total, base, total)
 
@@ -409,12 +409,12 @@ def _map_windows(windows: list[tuple[int, int, int]], private: bool):
         other = os.fstat(fd_b)
         if start_b != start_a + length_a or (other.st_dev, other.st_ino) != (here.st_dev, here.st_ino):
             return _copied([_map_windows([window], private) for window in windows])
-    _libc_loaded()
+    libc = _libc_loaded()
     aligned = start - start % mmap.PAGESIZE
     length = start - aligned + total
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if private else 0)  # the file is open read-only
     flags = mmap.MAP_PRIVATE if private else mmap.MAP_SHARED
-    base = _libc.mmap(None, length, prot, flags, fd, aligned)
+    base = libc.mmap(None, length, prot, flags, fd, aligned)
     if base in (None, ctypes.c_void_p(-1).value):
         err = ctypes.get_errno()
         raise OSError(err, f"cannot map {total} bytes of a shared tensor: {os.strerror(err)}")

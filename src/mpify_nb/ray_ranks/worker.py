@@ -195,15 +195,13 @@ class StoreFiles:
             for path in paths:
                 try:
                     st = os.stat(path)
-                    if (st.st_dev, st.st_ino) != key:
-                        continue
-                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
                 except OSError:
                     continue
-                if identity(fd) == key:
-                    self._opened[key] = fd
+                if (st.st_dev, st.st_ino) != key:
+                    continue  # most of the raylet's fds: not worth an open
+                self._opened[key] = _open_same(path, key)
+                if self._opened[key] is not None:
                     break
-                os.close(fd)
         return self._opened[key]
 
     def close(self) -> None:
@@ -212,11 +210,18 @@ class StoreFiles:
 
 
 def _open_lent(pid: int, number: int, dev: int, ino: int) -> Optional[int]:
+    return _open_same(f"/proc/{pid}/fd/{number}", (dev, ino))
+
+
+def _open_same(path: str, key: tuple[int, int]) -> Optional[int]:
+    """``path`` opened read-only if it is the file ``key`` names (st_dev, st_ino), else None:
+    a /proc path may name another process's file by now, or none (another host, another user,
+    a hardened /proc)."""
     try:
-        fd = os.open(f"/proc/{pid}/fd/{number}", os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
-        return None  # another host, another user, or a hardened /proc
-    if identity(fd) == (dev, ino):
+        return None
+    if identity(fd) == key:
         return fd
     os.close(fd)
     return None
