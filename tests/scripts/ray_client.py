@@ -16,7 +16,8 @@ from mpify_nb import RankRaisedError, in_torchddp, ranch
 def connect(address: str) -> None:
     """set_placement through Ray Client, tried twice when Ray's own per-client server did not
     start (the proxy's "Starting Ray client server failed": seen once in CI, on a loaded machine,
-    before anything of ours ran). The server's log goes to stderr, so a second failure says why."""
+    before anything of ours ran). A second failure fails the test, which then shows the end of Ray's
+client-server logs."""
     for attempt in (1, 2):
         try:
             mpify_nb.set_placement("ray", address=address)
