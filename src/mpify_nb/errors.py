@@ -139,12 +139,13 @@ class CollectiveError(RankError):
         self.rebuilt = rebuilt
         who = _rank_list(self.waiting)
         verb = "was" if len(self.waiting) == 1 else "were"
-        msg = (f"{who} {verb} waiting in {op}, which {_rank_list(self.missing)} never joined; "
+        msg = (f"{who} {verb} left waiting in {op}, which {_rank_list(self.missing)} never joined; "
                + ("the process group was rebuilt (Python state kept; re-create objects made on the old "
                   "group, e.g. DistributedDataParallel)" if rebuilt else "the process group is broken"))
-        for err in self.errors:
-            msg += f"\n\nmeanwhile {err}"
-        super().__init__(self.missing[0] if self.missing else self.waiting[0], msg)
+        if self.errors:  # the root cause first: what the missing ranks raised
+            msg = "\n\n".join(str(err) for err in self.errors) + f"\n\nMeanwhile {msg}"
+        root = self.errors[0].rank if self.errors else self.missing[0] if self.missing else self.waiting[0]
+        super().__init__(root, msg)
         self.ranks = self.missing or self.waiting
 
 
@@ -225,7 +226,7 @@ class RemoteFailure:
         for filename, lineno, name, line in _user_frames(self.frames):
             if not line:
                 line = linecache.getline(filename, lineno).strip() or None
-            lines.append(f"  {_location(filename)}, line {lineno}, in {name}\n")
+            lines.append(f"  {source_location(filename)}, line {lineno}, in {name}\n")
             if line:
                 lines.append(f"    {line}\n")
         tail = f"{self.exc_type}: {self.exc_message}" if self.exc_message else self.exc_type
@@ -278,7 +279,7 @@ def _is_library_file(filename: str) -> bool:
     return os.path.abspath(filename).startswith(_PACKAGE_DIR + os.sep)
 
 
-def _location(filename: str) -> str:
+def source_location(filename: str) -> str:
     # ipykernel names cells /tmp/ipykernel_<pid>/<hash>.py; IPython shows them as "Cell In[n]".
     try:
         from IPython import get_ipython

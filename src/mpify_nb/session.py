@@ -71,8 +71,10 @@ from .errors import (
     RemoteFailure,
     SessionClosedError,
     merge_rank_errors,
+    source_location,
 )
 from .relay import OutputRelay
+from .waits import Wait
 
 Ranks = Union[int, Iterable[int], None]
 
@@ -117,8 +119,13 @@ class _Member:
         self.device = "?"
         self.req = proto.NO_REQUEST  # the request it runs for us now
         self.answer: Optional[tuple[bytes, Any, list[int]]] = None  # (kind, body, fds) for self.req
-        # (op, since, ranks of its group or None for all) while blocked in a collective
-        self.collective: Optional[tuple[str, float, Optional[list[int]]]] = None
+        # what it waits on in torch.distributed for self.req (waits.py), and since when
+        self.waits: list[Wait] = []
+        self.waits_since = 0.0
+        self.watched = proto.NO_REQUEST  # the request for which it reads torch's recorder
+        # {group name: number of its last collective} for the request self.issued_req
+        self.issued: Optional[dict[str, int]] = None
+        self.issued_req = proto.NO_REQUEST
         self.gpu_memory: Optional[int] = None
         self.aborts = 0  # ABORT_GROUP sent and not yet acknowledged
         self.last_cell = ""
@@ -555,7 +562,7 @@ class Session:
 
     def _send_request(self, m: _Member, kind: bytes, req: int, body: bytes, fds: list[int],
                       label: Optional[str]) -> None:
-        m.req, m.answer, m.collective = req, None, None
+        m.req, m.answer, m.waits = req, None, []
         if label is not None:
             m.last_cell = label
             m.state = "running"
@@ -619,6 +626,7 @@ class Session:
                     raise TimeoutError(f"the call did not finish within {timeout:g} s (ranks still running: "
                                        f"{running}); they were interrupted, their state is kept")
                 if self.ddp:
+                    self._watch_recorders(req)
                     stuck, missing = self._stuck(req)
                     if stuck and missing:
                         stuck_since = stuck_since or now
@@ -656,22 +664,55 @@ class Session:
 
     # -- when a call is stuck ----------------------------------------------------------
 
+    def _watch_recorders(self, req: int) -> None:
+        """Once some rank is not running ``req`` (idle, finished, failed, dead), the ranks that
+        still run it read torch's recorder for collectives they wait on (waits.py): it sees
+        waits that a frame does not (Work.wait(), DTensor, DDP's hooks on autograd threads)."""
+        world = self._members.values()
+        if all(m.alive and m.req == req for m in world):
+            return
+        for m in world:
+            if m.alive and m.req == req and m.watched != req:
+                m.watched = req
+                self._send_control(m, proto.WATCH, req)
+
     def _stuck(self, req: int) -> tuple[list[_Member], list[_Member]]:
-        """Ranks blocked in a collective for this call, and the ranks that cannot join it
-        (idle, finished, dead)."""
-        stuck = [m for m in self._members.values() if m.alive and m.req == req and m.collective]
-        needed: set[int] = set()
-        for m in stuck:
-            assert m.collective is not None
-            group = m.collective[2]
-            needed.update(self._members if group is None else group)
-        missing = [m for r, m in self._members.items() if r in needed and (not m.alive or m.req != req)]
-        return (stuck, missing) if missing else ([], [])
+        """Ranks waiting in a collective for this call, and the ranks of its group that will
+        never issue it: dead, or not running ``req`` and never having issued it (asked once
+        per call, by PEEK: a rank that ran an async collective and finished has joined)."""
+        absent = [m for m in self._members.values() if not m.alive or m.req != req]
+        if not absent:
+            return [], []
+        stuck: list[_Member] = []
+        missing: dict[int, _Member] = {}
+        for m in self._members.values():
+            if not (m.alive and m.req == req):
+                continue
+            for wait in m.waits:
+                peers = [a for a in absent if wait.ranks is None or a.rank in wait.ranks]
+                if wait.any_peer and any(r != m.rank and (wait.ranks is None or r in wait.ranks)
+                                         for r, other in self._members.items() if other not in absent):
+                    continue  # a rank it may be waiting for still runs
+                if wait.seq is not None and wait.group is not None:
+                    for a in peers:
+                        if a.alive and a.issued_req != req:
+                            a.issued_req, a.issued = req, None
+                            self._send_control(a, proto.PEEK, req)
+                    if any(a.alive and a.issued is None for a in peers):
+                        continue  # not known yet whether they joined it
+                    peers = [a for a in peers if not a.alive or (a.issued or {}).get(wait.group, 0) < wait.seq]
+                if peers:
+                    stuck.append(m)
+                    missing.update((a.rank, a) for a in peers)
+                    break
+        if not stuck:
+            return [], []
+        return stuck, [missing[r] for r in sorted(missing)]
 
     def _collective_failed(self, members: list[_Member], req: int, stuck: list[_Member],
                            missing: list[_Member]) -> None:
         dead = [m for m in missing if not m.alive]
-        op = stuck[0].collective[0] if stuck[0].collective else "a collective"
+        waiting = {m.rank: m.waits[0] for m in stuck if m.waits}
         errors = [_failure_of(m) for m in missing if m.answer is not None and m.answer[0] == proto.FAIL
                   and m.req == proto.NO_REQUEST and m in members]
         for m in missing:
@@ -683,7 +724,8 @@ class Session:
         if dead:
             raise merge_rank_errors([m.exit_error or RankExitedError(m.rank, None) for m in dead])
         rebuilt = self._rebuild()
-        raise CollectiveError([m.rank for m in stuck], [m.rank for m in missing], f"dist.{op}", errors, rebuilt)
+        raise CollectiveError([m.rank for m in stuck], [m.rank for m in missing], _describe(waiting),
+                              errors, rebuilt)
 
     def _stop(self, members: list[_Member], req: int) -> None:
         """Interrupt every rank still running ``req``; unstick collectives; rebuild the group
@@ -705,7 +747,7 @@ class Session:
                 # Blocked in a collective (seen on its stack), or in C++ that ignores SIGINT for
                 # longer (a DDP backward waiting on its all_reduce): cut the group under it.
                 if self.ddp and not aborted and (
-                        (now - start > _ABORT_AFTER and any(m.collective for m in running))
+                        (now - start > _ABORT_AFTER and any(m.waits for m in running))
                         or now - start > _ABORT_ANYWAY):
                     self._abort_group()
                     aborted = True
@@ -803,7 +845,7 @@ class Session:
         elif req == m.req and req != proto.NO_REQUEST:
             m.answer = (kind, bytes(body) if len(body) < (1 << 20) else body, fds)
             m.req = proto.NO_REQUEST
-            m.collective = None
+            m.waits = []
             if m.state == "running":
                 m.state = "idle"
         else:
@@ -821,8 +863,9 @@ class Session:
         if kind == proto.ABORTED:
             m.aborts -= 1
         elif kind == proto.COLLECTIVE and req == m.req:
-            op, since, group = pickle.loads(body)
-            m.collective = (op, since, group) if op else None
+            m.waits, m.waits_since = pickle.loads(body)
+        elif kind == proto.ISSUED and req == m.issued_req:
+            m.issued = pickle.loads(body)
 
     def _on_death(self, m: _Member) -> None:
         if not m.alive:
@@ -849,7 +892,7 @@ class Session:
         code = m.process.exit_code(timeout=2.0)
         m.exit_error = RankExitedError(m.rank, code, m.process.death_detail())
         m.state = "dead"
-        m.collective = None
+        m.waits = []
         if m.answer is None:
             m.req = proto.NO_REQUEST
         self._group_broken = self.ddp
@@ -936,6 +979,17 @@ def _wants_value(source: str) -> bool:
     """IPython shows the last expression's value unless the cell ends with ';'."""
     lines = [line for line in source.rstrip().splitlines() if line.strip()]
     return not lines or not lines[-1].split("#", 1)[0].rstrip().endswith(";")
+
+
+def _describe(waiting: dict[int, Wait]) -> str:
+    """"dist.all_reduce (rank 0 at Cell In[7], line 6)": what the ranks were left waiting in."""
+    if not waiting:
+        return "a collective"
+    ops = sorted({w.op for w in waiting.values()})
+    places = [f"rank {r} at {source_location(w.where[0])}, line {w.where[1]}"
+              for r, w in sorted(waiting.items()) if w.where is not None]
+    text = " / ".join(op if "." in op else f"dist.{op}" for op in ops)
+    return f"{text} ({'; '.join(places)})" if places else text
 
 
 def _failure_of(m: _Member, body: Any = None, fds: Optional[list[int]] = None) -> RankError:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import dataclasses
 import datetime
 import linecache
 import os
@@ -42,15 +43,15 @@ import threading
 import time
 from typing import Any, NoReturn, Optional
 
-from . import payload, rank_display, wire
+from . import payload, rank_display, waits, wire
 from .errors import RemoteFailure, safe_str
 
 # -- the protocol (both directions: a kind byte, a request id, a body) ----------------------
 
 RUN, APPLY, PUSH, PULL, MISSING, GROUP = b"r", b"a", b"p", b"l", b"m", b"g"  # work channel, to the rank
-INTERRUPT, ABORT_GROUP = b"i", b"x"  # control channel, to the rank
+INTERRUPT, ABORT_GROUP, WATCH, PEEK = b"i", b"x", b"w", b"k"  # control channel, to the rank
 READY, DONE, FAIL, DISPLAY = b"R", b"D", b"F", b"P"  # work channel, from the rank
-COLLECTIVE, ABORTED = b"C", b"A"  # control channel, from the rank
+COLLECTIVE, ABORTED, ISSUED = b"C", b"A", b"I"  # control channel, from the rank
 
 _ID = struct.Struct("!Q")
 NO_REQUEST = 0
@@ -204,6 +205,7 @@ def _init_group(rendezvous: tuple[str, int, bool], listen_fd: Optional[int]) -> 
                          master_listen_fd=listen_fd)
     else:
         store = TCPStore(addr, port, world, is_master=False, timeout=timeout)
+    waits.enable_recorder()  # the collective watch reads what the group records (waits.py)
     dist.init_process_group(backend=_group["backend"], rank=rank, world_size=world, store=store)
 
 
@@ -448,10 +450,12 @@ def _meta() -> dict:
 # -- the control thread ------------------------------------------------------------------
 
 def _control_loop(control: socket.socket, state: _State) -> None:
-    """Interrupts and group aborts from the caller, and the collective watch; if the caller
-    goes away (its end closes), end this rank and everything it started."""
+    """Interrupts and group aborts from the caller, and the watch on what the main thread
+    waits for in torch.distributed (waits.py); if the caller goes away (its end closes),
+    end this rank and everything it started."""
     watched = NO_REQUEST
-    collective: Optional[tuple[str, Optional[list[int]]]] = None
+    recorder_for = NO_REQUEST  # the request for which the caller asked us to read the recorder
+    reported: list[waits.Wait] = []
     while True:
         busy = state.request != NO_REQUEST
         ready = select.select([control, state.wake_r], [], [], _WATCH_PERIOD if busy else None)[0]
@@ -476,47 +480,20 @@ def _control_loop(control: socket.socket, state: _State) -> None:
                 _cut_connections(pickle.loads(_body))
                 _destroy_group(abort=True)
                 _send(control, pack(ABORTED, req_id))  # the caller rebuilds only after every ack
+            elif kind == WATCH:
+                recorder_for = req_id
+            elif kind == PEEK:
+                _send(control, pack(ISSUED, req_id, pickle.dumps(waits.issued_counts())))
         request = state.request
         if request != watched:
-            watched, collective = request, None
+            watched, reported = request, []
         if request == NO_REQUEST:
             continue
-        now_in = _collective_of(state.main_ident)
-        if now_in != collective:
-            collective = now_in
-            op, members = now_in or (None, None)
-            _send(control, pack(COLLECTIVE, request, pickle.dumps((op, time.monotonic(), members))))
-
-
-def _collective_of(thread_id: int) -> Optional[tuple[str, Optional[list[int]]]]:
-    """The torch.distributed operation ``thread_id`` is blocked in, and the ranks of its group
-    (None: the whole world), or None. The innermost Python frame tells: a collective waits
-    in C++ under its c10d function's frame."""
-    frame = sys._current_frames().get(thread_id)
-    if frame is None:
-        return None
-    filename = frame.f_code.co_filename
-    if filename.endswith(os.path.join("distributed", "distributed_c10d.py")):
-        return frame.f_code.co_name, _group_ranks(frame)
-    if filename.endswith(os.path.join("nn", "parallel", "distributed.py")):
-        return f"DistributedDataParallel.{frame.f_code.co_name}", None
-    return None
-
-
-def _group_ranks(frame) -> Optional[list[int]]:
-    """The global ranks of the ``group`` a c10d function was called with (None: the world),
-    so a collective on a subgroup is not blamed on ranks outside it."""
-    try:
-        group = frame.f_locals.get("group")
-        if group is None:
-            return None
-        import torch.distributed as dist
-
-        if group is dist.GroupMember.WORLD:
-            return None
-        return sorted(dist.get_process_group_ranks(group))
-    except Exception:
-        return None
+        now = waits.waits_of(state.main_ident, recorder=recorder_for == request)
+        if len(now) != len(reported) or not all(a.same_wait(b) for a, b in zip(now, reported)):
+            where = waits.user_line(state.main_ident) if now else None
+            reported = [dataclasses.replace(w, where=where) for w in now]
+            _send(control, pack(COLLECTIVE, request, pickle.dumps((reported, time.monotonic()))))
 
 
 def _caller_gone() -> NoReturn:
