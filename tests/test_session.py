@@ -160,17 +160,37 @@ def test_interrupt_stops_every_rank_keeps_state_and_the_next_call_works(session)
     assert session.run("kept") == {0: 0, 1: 1}
 
 
-def test_interrupt_unsticks_a_ddp_backward_that_waits_for_an_idle_rank(session):
-    """A backward on rank 0 alone waits in C++ (autograd) for an all_reduce rank 1 never
-    joins: no Python frame shows a collective, SIGINT cannot land; the interrupt still ends
-    it, and the model can be wrapped again on the rebuilt group."""
+def test_interrupt_unsticks_a_ddp_backward_that_waits_for_a_busy_rank(session):
+    """A backward on rank 0 waits in C++ (autograd) for an all_reduce that rank 1, still
+    busy in Python, has not reached: nothing is wrong yet, so nothing is detected, and
+    SIGINT cannot land in the C++ wait; the interrupt still ends it, and the model can be
+    wrapped again on the rebuilt group."""
     make = ("from torch.nn.parallel import DistributedDataParallel as DDP\n"
             "torch.manual_seed(0)\nmodel = DDP(torch.nn.Linear(4, 1))")
     session.run(make)
-    threading.Timer(0.5, session.interrupt).start()
+    threading.Timer(0.8, session.interrupt).start()
     with pytest.raises(KeyboardInterrupt):
-        session.run("model(torch.ones(2, 4)).sum().backward()", ranks=[0])
+        session.run("import time\nif rank == 1:\n    time.sleep(60)\nmodel(torch.ones(2, 4)).sum().backward()")
     session.run(make)  # re-wrapped on the new group
+    assert session.run("model(torch.ones(2, 4)).sum().backward()\nmodel.module.bias.grad.item()") == {
+        0: 2.0, 1: 2.0}
+
+
+def test_a_ddp_backward_that_waits_for_an_idle_rank_ends_with_collective_error(session):
+    """The same backward on rank 0 alone: rank 1 is idle and will never join. No Python
+    frame shows the all_reduce (it runs on autograd's side), torch's recorder does: the call
+    ends by itself, names the wait and its line, and the group works again."""
+    make = ("from torch.nn.parallel import DistributedDataParallel as DDP\n"
+            "torch.manual_seed(0)\nmodel = DDP(torch.nn.Linear(4, 1))")
+    session.run(make)
+    started = time.monotonic()
+    with pytest.raises(CollectiveError) as caught:
+        session.run("x = torch.ones(2, 4)\nmodel(x).sum().backward()", ranks=[0], timeout=30)
+    assert time.monotonic() - started < 10  # ~0.4 s; generous for a loaded machine
+    assert caught.value.waiting == [0] and caught.value.missing == [1] and caught.value.rebuilt
+    assert 'rank 0 was left waiting in dist.all_reduce (rank 0 at File "<session cell' in str(caught.value)
+    assert '>", line 2), which rank 1 never joined' in str(caught.value)
+    session.run(make)
     assert session.run("model(torch.ones(2, 4)).sum().backward()\nmodel.module.bias.grad.item()") == {
         0: 2.0, 1: 2.0}
 
