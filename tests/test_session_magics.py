@@ -419,6 +419,89 @@ def test_a_collective_not_every_rank_joins_ends_with_an_error_and_the_group_is_r
     assert ran.shown() == ["[rank 0] (2.0, 100)\n[rank 1] (2.0, 101)"]
 
 
+# Issue 18: every way torch waits on a process group ends the cell when a peer cannot come.
+# Rank 0 alone (%%rank [0]) waits on a collective that rank 1, idle, never issues; no Python
+# frame of rank 0 is in distributed_c10d.py for any of these (before: the cell hung).
+HIDDEN_WAITS = {
+    "async_work": ("", "hid_t = torch.ones(2)\nhid_w = dist.all_reduce(hid_t, async_op=True)\nhid_w.wait()",
+                   "dist.all_reduce", 3),
+    "functional": ("import torch.distributed._functional_collectives as funcol",
+                   "hid_f = funcol.all_reduce(torch.ones(2), 'sum', dist.group.WORLD)\nhid_f.sum().item()",
+                   "dist.all_reduce", 2),
+    "dtensor": ("from torch.distributed.device_mesh import init_device_mesh\n"
+                "from torch.distributed.tensor import distribute_tensor, Shard\n"
+                "hid_mesh = init_device_mesh('cpu', (2,))\n"
+                "hid_d = distribute_tensor(torch.arange(8.0), hid_mesh, [Shard(0)])",
+                "hid_full = hid_d.full_tensor()", "dist.all_gather", 1),
+    "pipeline": ("from torch.distributed.pipelining import PipelineStage, ScheduleGPipe\n"
+                 "hid_stage = PipelineStage(torch.nn.Linear(4, 4), rank, 2, torch.device('cpu'))\n"
+                 "hid_sched = ScheduleGPipe(hid_stage, 2)\n"
+                 "hid_sched.step(torch.ones(4, 4)) if rank == 0 else hid_sched.step()",
+                 "hid_sched.step(torch.ones(4, 4))", "Work.wait() of a send", 1),
+    "fsdp2_forward": ("from torch.distributed.fsdp import fully_shard\ntorch.manual_seed(0)\n"
+                      "hid_net = fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)))",
+                      "hid_out = hid_net(torch.ones(2, 4))", "dist.all_gather", 1),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HIDDEN_WAITS))
+def test_a_hidden_wait_for_an_idle_rank_ends_the_cell_and_the_group_works_again(dist, case):
+    setup, cell, op, line = HIDDEN_WAITS[case]
+    dist.ok(f"hid_keep = rank + 10\n{setup}")
+    started = time.monotonic()
+    ran = dist.fails(f"%%rank [0]\n{cell}", "CollectiveError")
+    took = time.monotonic() - started
+    text = ran.error_text()
+    number = ran.cell.execution_count
+    assert f"rank 0 was left waiting in {op} (rank 0 at Cell In[{number}], line {line + 1}), " \
+           "which rank 1 never joined; the process group was rebuilt" in text, text
+    assert took < 15, took  # ~0.4 s; before: hung until the stop button
+    ran = dist.ok("hid_t2 = torch.ones(1)\ndist.all_reduce(hid_t2)\nhid_t2.item(), hid_keep")
+    assert ran.shown() == ["[rank 0] (2.0, 10)\n[rank 1] (2.0, 11)"]
+
+
+def test_a_rank_that_raises_beside_a_ddp_backward_ends_the_cell_with_its_own_error(dist):
+    """The issue's first story: rank 1 raises while rank 0 waits in DDP's gradient
+    all_reduce, on autograd's threads. The cell ends by itself, rank 1's ValueError first."""
+    dist.ok("from torch.nn.parallel import DistributedDataParallel as DDP\nddp_keep = rank")
+    started = time.monotonic()
+    ran = dist.fails("ddp_net = DDP(torch.nn.Linear(2, 1))\nddp_out = ddp_net(torch.ones(1, 2)).sum()\n"
+                     "if rank == 1:\n    raise ValueError('boom on rank 1')\nddp_out.backward()", "CollectiveError")
+    assert time.monotonic() - started < 15
+    text = ran.error_text()
+    number = ran.cell.execution_count
+    assert text.index("rank 1 raised ValueError: boom on rank 1") < text.index("Meanwhile rank 0 was left waiting")
+    assert re.search(rf"Cell In\[{number}\], line 4, in <module>\n\s+raise ValueError\('boom on rank 1'\)", text)
+    assert f"rank 0 was left waiting in dist.all_reduce (rank 0 at Cell In[{number}], line 5), which rank 1 " \
+           "never joined" in text, text
+    ran = dist.ok("ddp_net = DDP(torch.nn.Linear(2, 1))\nddp_net(torch.ones(1, 2)).sum().backward()\n"
+                  "ddp_net.module.bias.grad.item(), ddp_keep")
+    assert ran.shown() == ["[rank 0] (1.0, 0)\n[rank 1] (1.0, 1)"]
+
+
+def test_an_anomaly_raised_in_one_ranks_backward_ends_the_cell(dist):
+    """Anomaly mode raises inside rank 1's backward (a NaN gradient), while rank 0's
+    backward waits for rank 1's gradients."""
+    ran = dist.fails("from torch.nn.parallel import DistributedDataParallel as DDP\n"
+                     "an_net = DDP(torch.nn.Linear(2, 1))\n"
+                     "an_x = torch.tensor([[0.0, 1.0]]) if rank == 1 else torch.ones(1, 2)\n"
+                     "with torch.autograd.detect_anomaly(check_nan=True):\n"
+                     "    an_net(an_x.sqrt() * 0 + an_x).sum().pow(0.5).mul(0).add(an_x.sqrt().sum() * 0)"
+                     ".backward() if rank == 0 else (an_net(an_x).sum() * an_x.sqrt().pow(-1).sum()).backward()",
+                     "CollectiveError")
+    text = ran.error_text()
+    assert "rank 1 raised RuntimeError: Function" in text and "returned nan values" in text, text
+    assert "Meanwhile rank 0 was left waiting in dist.all_reduce" in text, text
+
+
+def test_a_rank_that_computes_long_is_waited_for(dist):
+    """No false alarm: rank 0 waits in all_reduce for 3 s while rank 1 computes; nothing is
+    wrong, so the cell just takes that long."""
+    ran = dist.ok("import time\nslow_t = torch.ones(1)\nif rank == 1:\n    time.sleep(3)\n"
+                  "dist.all_reduce(slow_t)\nslow_t.item()")
+    assert ran.shown() == ["[rank 0] 2.0\n[rank 1] 2.0"]
+
+
 def interrupt_when(kernel: Kernel, pattern: str) -> Callable:
     def press_stop(cell):
         try:
