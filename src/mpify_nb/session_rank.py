@@ -10,11 +10,12 @@ socketpair. It then never exits on its own::
     work channel ── RUN/APPLY/PUSH/PULL/MISSING/GROUP ─> main thread: one request at a time,
                  <── DONE / FAIL / DISPLAY ────────────   in its persistent __main__ namespace
     control      ── INTERRUPT req / ABORT_GROUP ──────> control thread: SIGINT to the main
-    channel      <── COLLECTIVE (req, op, since) ──────  thread (only while it runs req);
-                 <── ABORTED ──────────────────────────  cut the connections to the peers and
+    channel      <── ABORTED ──────────────────────────  thread (only while it runs req);
+                                                          cut the connections to the peers and
                                                           destroy the group (unsticks them);
-                                                          watches the main thread's stack:
-                                                          "blocked in dist.all_reduce since t"
+                 ── WATCH req ─────────────────────────> read torch's recorder too, while req runs
+                 <── COLLECTIVE (req, waits, since) ───  what the main thread waits on (waits.py)
+                 ── PEEK req / <── ISSUED ─────────────  this rank's count of each group's collectives
                   (control channel closes) ───────────> the caller is gone: kill self
 
 The main thread starts the process group (a TCPStore whose listening socket the caller
