@@ -149,6 +149,11 @@ class CollectiveError(RankError):
         self.ranks = self.missing or self.waiting
 
 
+class StdinUnavailableError(RuntimeError):
+    """Raised on a rank that reads its stdin (``input()``, pdb) when the notebook cannot
+    answer: its frontend does not allow input (``allow_stdin=False``, papermill without it)."""
+
+
 class SessionClosedError(RuntimeError):
     """The :class:`~mpify_nb.Session` is closed: start a new one."""
 

@@ -506,6 +506,24 @@ class OutputRelay:
                     self._read(fd, where)
                     self._finish(fd, where)
 
+    def take_prompt(self, rank: int) -> str:
+        """The text ``rank`` left on an open stdout line before it read its stdin (input()'s
+        prompt, pdb's ``(Pdb) ``): what its pipe holds now is read, and the line's part not
+        shown yet is taken, for the frontend's prompt to show instead of the cell."""
+        with self._lock:
+            fd = next((f for f, where in self._where.items() if where == (rank, 0)), None)
+            if fd is None or fd in self._bars:
+                return ""
+            self._read(fd, (rank, 0))
+            buf = self._pending.get(fd, b"")
+            taken = _whole_characters(buf)
+            self._pending[fd] = buf[len(taken):]
+            self._partial_since.pop(fd, None)
+            if self._open_line[0] == fd:  # what the rank writes after the answer starts a new line
+                self._open_line[0] = None
+                self._trackers[0].rank_line_open = False
+            return taken.decode("utf-8", errors="replace")
+
     def _write(self, fd: int, where: tuple[int, int], data: bytes) -> None:
         """Write ``data`` from ``fd``, labelled line by line. It may end mid-line (a partial
         line shown): that line stays open for ``fd`` until its end comes, or someone else writes."""

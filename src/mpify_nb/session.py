@@ -64,7 +64,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
-from . import interrupts, payload, placement, wire
+from . import interrupts, payload, placement, prompts, wire
 from . import session_rank as proto
 from .ddp import _listen_on, _parse_gpus
 from .errors import (
@@ -202,6 +202,7 @@ class Session:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._selector.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
         self._relay = OutputRelay(sys.stdout, sys.stderr)
+        self._prompter = prompts.Prompter(self._wake)  # each call makes its own, on its thread
         self._placer: Optional[placement.Placer] = None
         _sessions.add(self)
         interrupts.install()  # from the main thread: the stop button then reaches calls on others
@@ -596,11 +597,13 @@ class Session:
                 self._current, self._interrupt_asked = req, False
             restore = _take_sigint(self._on_sigint, self)
             self._relay.retarget(sys.stdout, sys.stderr)
+            self._prompter = prompts.Prompter(self._wake)
             try:
                 for m in members:
                     self._send_request(m, kind, req, body, fds, label)
                 return self._wait(members, req, timeout)
             finally:
+                self._close_prompts()
                 with self._flag_lock:
                     self._current = proto.NO_REQUEST
                 restore()
@@ -623,7 +626,9 @@ class Session:
                 if self._interrupt_asked:
                     raise KeyboardInterrupt
                 now = time.monotonic()
-                wait = None if deadline is None else deadline - now
+                # Time a rank waits for the user (a pdb prompt) is not the call's.
+                wait = None if deadline is None or self._prompter.waiting else (
+                    deadline + self._prompter.waited() - now)
                 if wait is not None and wait <= 0:
                     running = [m.rank for m in members if m.req == req]
                     self._stop(members, req)
@@ -734,6 +739,7 @@ class Session:
     def _stop(self, members: list[_Member], req: int) -> None:
         """Interrupt every rank still running ``req``; unstick collectives; rebuild the group
         when it was torn down. Bounded in time; a second Ctrl-C does not cut it short."""
+        self._close_prompts()  # a rank at a prompt reads KeyboardInterrupt, then end of file
         for m in members:
             if m.alive and m.req == req:
                 self._send_control(m, proto.INTERRUPT, req)
@@ -828,6 +834,8 @@ class Session:
                     os.read(self._wake_r, 4096)
                 except BlockingIOError:
                     pass
+                for reply, answer in self._prompter.take_answers():
+                    reply(answer)
 
     def _on_work(self, m: _Member) -> None:
         try:
@@ -844,6 +852,8 @@ class Session:
             m.device, m.state = info["device"], "idle"
         elif kind == proto.DISPLAY:
             self._show(m.rank, pickle.loads(body))
+        elif kind == proto.ASK:
+            self._ask(m, req, pickle.loads(body))
         elif req == proto.NO_REQUEST and kind == proto.FAIL:
             m.start_failure = pickle.loads(body)[0]
         elif req == m.req and req != proto.NO_REQUEST:
@@ -870,6 +880,8 @@ class Session:
             m.waits, m.waits_since = pickle.loads(body)
         elif kind == proto.ISSUED and req == m.issued_req:
             m.issued = pickle.loads(body)
+        elif kind == proto.ASK:
+            self._ask(m, req, pickle.loads(body))
 
     def _on_death(self, m: _Member) -> None:
         if not m.alive:
@@ -912,6 +924,20 @@ class Session:
         for m in list(self._members.values()):
             if m.alive and m.process.death_fd in ended:
                 self._on_death(m)
+
+    def _ask(self, m: _Member, req: int, token: int) -> None:
+        """Rank ``m`` reads its stdin: ask the user (prompts.py), its open line the prompt."""
+        prompt = self._relay.take_prompt(m.rank)
+
+        def reply(answer: Any) -> None:
+            self._send_control(m, proto.ANSWER, req, pickle.dumps((token, answer)))
+
+        self._prompter.ask(m.rank, prompt, reply)
+
+    def _close_prompts(self) -> None:
+        """No one answers prompts of this call any more: the reads still waiting are ended."""
+        for reply, answer in self._prompter.close():
+            reply(answer)
 
     def _show(self, rank: int, bundle: dict) -> None:
         if self._display is not None:

@@ -44,14 +44,14 @@ import threading
 import time
 from typing import Any, NoReturn, Optional
 
-from . import payload, rank_display, waits, wire
+from . import payload, rank_display, rank_stdin, waits, wire
 from .errors import RemoteFailure, safe_str
 
 # -- the protocol (both directions: a kind byte, a request id, a body) ----------------------
 
 RUN, APPLY, PUSH, PULL, MISSING, GROUP = b"r", b"a", b"p", b"l", b"m", b"g"  # work channel, to the rank
-INTERRUPT, ABORT_GROUP, WATCH, PEEK = b"i", b"x", b"w", b"k"  # control channel, to the rank
-READY, DONE, FAIL, DISPLAY = b"R", b"D", b"F", b"P"  # work channel, from the rank
+INTERRUPT, ABORT_GROUP, WATCH, PEEK, ANSWER = b"i", b"x", b"w", b"k", b"n"  # control channel, to the rank
+READY, DONE, FAIL, DISPLAY, ASK = b"R", b"D", b"F", b"P", b"Q"  # work channel, from the rank (ASK: control too)
 COLLECTIVE, ABORTED, ISSUED = b"C", b"A", b"I"  # control channel, from the rank
 
 _ID = struct.Struct("!Q")
@@ -98,6 +98,8 @@ def serve(channel: socket.socket, config: dict, fds: list[int]) -> NoReturn:
     threading.Thread(target=_control_loop, args=(control, state), name="mpify_nb-control", daemon=True).start()
     ready: dict = {}
     rank_display.install(lambda bundle: _send(channel, pack(DISPLAY, state.request, pickle.dumps(bundle))))
+    rank_stdin.install(lambda token: _send(channel, pack(ASK, state.request, pickle.dumps(token))))
+    rank_stdin.install_breakpointhook()
     namespace["display"] = rank_display.display
     try:
         ready = _start(namespace, config["rank"], session, listen_fd)
@@ -143,9 +145,14 @@ def _flush_c_stdio() -> None:
         pass
 
 
+#: Any thread may send (a display, an ASK for input): one whole message at a time.
+_send_lock = threading.Lock()
+
+
 def _send(channel: socket.socket, data: bytes, fds=()) -> None:
     try:
-        wire.send(channel, data, fds)
+        with _send_lock:
+            wire.send(channel, data, fds)
     except OSError:
         pass  # the caller is gone; the control thread ends us
 
@@ -485,11 +492,15 @@ def _control_loop(control: socket.socket, state: _State) -> None:
                 recorder_for = req_id
             elif kind == PEEK:
                 _send(control, pack(ISSUED, req_id, pickle.dumps(waits.issued_counts())))
+            elif kind == ANSWER:
+                rank_stdin.deliver(*pickle.loads(_body))
         request = state.request
         if request != watched:
             watched, reported = request, []
         if request == NO_REQUEST:
             continue
+        if rank_stdin.raw_read_waiting():  # C code, or /dev/stdin opened again, reads fd 0
+            _send(control, pack(ASK, request, pickle.dumps(rank_stdin.RAW)))
         now = waits.waits_of(state.main_ident, recorder=recorder_for == request)
         if len(now) != len(reported) or not all(a.same_wait(b) for a, b in zip(now, reported)):
             where = waits.user_line(state.main_ident) if now else None
