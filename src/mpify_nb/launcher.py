@@ -39,7 +39,7 @@ import time
 import weakref
 from typing import Any, Callable, Optional
 
-from . import ddp, interrupts, libraries, payload, placement, preload, template, wire
+from . import ddp, interrupts, libraries, payload, placement, preload, prompts, template, wire
 from . import rank as rank_module
 from .errors import PayloadError, RankError, RankExitedError, RemoteFailure, safe_str
 from .relay import OutputRelay
@@ -269,6 +269,8 @@ class _Call:
         self.on_main_thread = threading.current_thread() is threading.main_thread()
         self.thread_id = threading.get_ident()
         self.wake_closed = False
+        self.prompter = prompts.Prompter(self._wake)  # ranks' reads of stdin, asked of the user
+        self.relay: Optional[OutputRelay] = None
 
     # -- the whole call ------------------------------------------------------------------
 
@@ -296,7 +298,7 @@ class _Call:
         if self.caller_rank is not None:
             _caller_rank_owner = threading.current_thread().name
         state = _CallerState.snapshot(self.caller_rank is not None)
-        relay = OutputRelay(sys.stdout, sys.stderr)
+        relay = self.relay = OutputRelay(sys.stdout, sys.stderr)
         values: list = [None] * self.nprocs
         watcher: Optional[threading.Thread] = None
         placer = placement.get_placer()
@@ -335,6 +337,7 @@ class _Call:
             raise
         finally:
             self.finished = True
+            self.prompter.close()  # the ranks are done or stopped: no one reads the answers
             self._stop_all()
             self._reap()
             placer.release()
@@ -405,8 +408,9 @@ class _Call:
         """Handle rank events until ``until()`` holds or a failure was recorded."""
         while not until() and self.failure is None and not self.interrupted:
             wait = None
-            if self.deadline is not None:
-                wait = self.deadline - time.monotonic()
+            if self.deadline is not None and not self.prompter.waiting:
+                # Time a rank waits for the user (a pdb prompt) is not the call's.
+                wait = self.deadline + self.prompter.waited() - time.monotonic()
                 if wait <= 0:
                     running = sorted(r.rank for r in self.ranks.values() if not r.done)
                     if self.caller_rank is not None and not self.finished:
@@ -429,6 +433,8 @@ class _Call:
             data = os.read(self.wake_r, 4096)
         except BlockingIOError:
             return
+        for reply, answer in self.prompter.take_answers():
+            reply(answer)
         for signum in data:
             if signum == signal.SIGINT:
                 if self.signals_sent:
@@ -459,6 +465,8 @@ class _Call:
                 self.imported.extend(pickle.loads(body))
             except Exception:
                 pass
+        elif kind == rank_module.ASK:
+            self._ask(handle, pickle.loads(body))
         elif kind == rank_module.VALUE:
             handle.done = True
             try:
@@ -474,6 +482,18 @@ class _Call:
             if not handle.process.shares_clock:
                 error.when = time.monotonic()  # another host's clock: order by when we heard
             self._fail(error)
+
+    def _ask(self, handle: _Rank, token: int) -> None:
+        """Rank ``handle`` reads its stdin: ask the user (prompts.py), its open line the prompt."""
+        prompt = self.relay.take_prompt(handle.rank) if self.relay is not None else ""
+
+        def reply(answer: Any) -> None:
+            try:
+                wire.send(handle.channel, rank_module.ANSWER + pickle.dumps((token, answer)))
+            except OSError:
+                pass  # it is gone; the watch reports how
+
+        self.prompter.ask(handle.rank, prompt, reply)
 
     def _on_death(self, handle: _Rank) -> None:
         noticed = time.monotonic()

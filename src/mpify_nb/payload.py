@@ -22,6 +22,7 @@ another process can run, and back.
 
 from __future__ import annotations
 
+import builtins
 import ctypes
 import io
 import linecache
@@ -102,6 +103,9 @@ class _Pickler(dill.Pickler):
         return pid
 
     def reducer_override(self, obj):
+        builtin_name = _swapped_builtin(obj)
+        if builtin_name is not None:
+            return getattr, (builtins, builtin_name)
         torch = self._torch
         if torch is not None and type(obj) is torch.Tensor and _shareable_kind(torch, obj) \
                 and obj.untyped_storage().nbytes() > 2 * _nbytes(obj) and obj.untyped_storage().nbytes() > 4096:
@@ -145,6 +149,18 @@ class _Pickler(dill.Pickler):
         first = len(self.fds)
         self.fds.extend(fds)
         return first if len(fds) == 1 else tuple(range(first, len(self.fds)))
+
+
+def _swapped_builtin(obj) -> Optional[str]:
+    """The builtin name ``obj`` stands for, when it must travel by that name: ipykernel swaps
+    ``builtins.input`` for its kernel's method during a cell (the original then fails pickle's
+    by-name check, and the method would drag the kernel along). A rank uses its own input()."""
+    if obj is builtins.__dict__.get("input"):
+        return "input"
+    if type(obj) is types.BuiltinFunctionType and getattr(obj, "__self__", None) is builtins \
+            and builtins.__dict__.get(obj.__name__) is not obj:
+        return obj.__name__
+    return None
 
 
 def _same(x):

@@ -27,6 +27,7 @@ import faulthandler
 import io
 import os
 import pickle
+import select
 import signal
 import socket
 import sys
@@ -36,7 +37,7 @@ import types
 from collections.abc import Collection
 from typing import NoReturn, Optional
 
-from . import payload, wire
+from . import payload, rank_stdin, wire
 from .errors import RemoteFailure, safe_str
 
 READY = b"R"
@@ -44,6 +45,8 @@ GO = b"G"
 VALUE = b"V"
 ERROR = b"E"
 IMPORTED = b"M"  # the modules this rank imported (sent before VALUE or ERROR; see preload.py)
+ASK = b"Q"  # the rank reads its stdin (rank_stdin.py): a token; the caller sends ANSWER (token, answer)
+ANSWER = b"N"
 
 #: The modules this rank was born with (the template's): what it imports beyond them is news.
 _born_with: set[str] = set()
@@ -97,6 +100,8 @@ def main(channel_fd: int, expected_parent: int) -> None:
     wire.send(channel, READY)
     if wire.recv(channel) is None:  # no GO: the caller gave up (another rank failed to load)
         _exit(0)
+    rank_stdin.install(lambda token: _send(channel, ASK + pickle.dumps(token)))
+    rank_stdin.install_breakpointhook()
     threading.Thread(target=_watch_caller, args=(channel,), name="mpify_nb-watchdog", daemon=True).start()
     try:
         if ctx is None:
@@ -122,7 +127,7 @@ def main(channel_fd: int, expected_parent: int) -> None:
     _flush_stdio()  # everything printed reaches the caller before the value does
     _report_imports(channel)
     try:
-        wire.send(channel, VALUE + data, fds)
+        _send(channel, VALUE + data, fds)
     except OSError:
         pass  # the caller is gone; nothing to report to
     _exit(0)
@@ -160,7 +165,7 @@ def _send_failure(channel, exc: BaseException, context: str = "") -> None:
     _flush_stdio()
     _report_imports(channel)
     try:
-        wire.send(channel, ERROR + pickle.dumps(failure))
+        _send(channel, ERROR + pickle.dumps(failure))
     except OSError:
         pass
 
@@ -171,16 +176,34 @@ def _report_imports(channel) -> None:
         news = [(name, getattr(module, "__file__", None)) for name, module in list(sys.modules.items())
                 if name not in _born_with and module is not None]
         if news:
-            wire.send(channel, IMPORTED + pickle.dumps(news))
+            _send(channel, IMPORTED + pickle.dumps(news))
     except Exception:
         pass  # only a speed-up is lost
 
 
+#: The main thread sends the answer, any thread an ASK for input: one whole message at a time.
+_send_lock = threading.Lock()
+
+
+def _send(channel: socket.socket, data: bytes, fds=()) -> None:
+    with _send_lock:
+        wire.send(channel, data, fds)
+
+
 def _watch_caller(channel: socket.socket) -> None:
+    """The caller's answers to this rank's reads of stdin; a read of fd 0 itself (C code, a
+    /dev/stdin opened again) is seen here and asked for."""
     try:
-        while channel.recv(4096):
-            pass
-    except OSError:
+        while True:
+            if select.select([channel], [], [], 0.05)[0]:
+                message = wire.recv(channel)
+                if message is None:
+                    break
+                if message[0][:1] == ANSWER:
+                    rank_stdin.deliver(*pickle.loads(message[0][1:]))
+            elif rank_stdin.raw_read_waiting():
+                _send(channel, ASK + pickle.dumps(rank_stdin.RAW))
+    except (OSError, EOFError):
         pass
     # The caller closed its end: it is gone, or it gave up on this call.
     _flush_stdio()

@@ -201,3 +201,17 @@ def install_breakpointhook() -> None:
         pdb.Pdb(skip=["mpify_nb", "mpify_nb.*"]).set_trace(sys._getframe(1))
 
     sys.breakpointhook = hook
+
+
+def post_mortem() -> bool:
+    """pdb on the traceback of the last error a cell raised on this rank (run there by
+    ``Session.debug``); False when none has."""
+    import pdb
+
+    tb = getattr(sys, "last_traceback", None)
+    if tb is None:
+        return False
+    debugger = pdb.Pdb(skip=["mpify_nb", "mpify_nb.*"])
+    debugger.reset()
+    debugger.interaction(None, tb)
+    return True

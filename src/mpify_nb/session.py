@@ -196,6 +196,8 @@ class Session:
         self._current = proto.NO_REQUEST  # the request of the call running now
         self._interrupt_asked = False
         self._group_broken = False
+        #: the error the last failed call raised (debug() starts at its root-cause rank)
+        self.last_error: Optional[RankError] = None
         self._display: Optional[Callable[[int, dict], None]] = None
         self._cells = itertools.count(1)
         self._selector = selectors.DefaultSelector()
@@ -303,6 +305,25 @@ class Session:
         """``{rank: the names of ``names`` its namespace (and builtins) lacks}``."""
         values = self._call(proto.MISSING, pickle.dumps(list(names)), [], ranks, None, None, None)
         return {r: set(v or ()) for r, v in values.items()}
+
+    def debug(self, rank: Optional[int] = None, timeout: Optional[float] = None) -> None:
+        """pdb post mortem on a rank, in the frames of the last error a cell raised there,
+        with its locals; commands are asked of you as ``input()`` is. ``rank``: by default the
+        root cause of the last call that failed (the rank that raised, not the ranks left
+        waiting for it).
+
+        >>> s.run("x = 1 / (rank - 1)")   # RankRaisedError: rank 1 raised ZeroDivisionError
+        >>> s.debug()                     # (Pdb) p rank  ->  1
+        """
+        if rank is None:
+            if self.last_error is None:
+                raise ValueError("no call of this Session has failed: name a rank to debug (debug(rank=k))")
+            rank = self.last_error.rank
+        self._targets(rank)  # ValueError for a rank out of range
+        from .rank_stdin import post_mortem
+
+        if not self.apply(post_mortem, ranks=[rank], timeout=timeout)[rank]:
+            raise ValueError(f"no cell has failed on rank {rank} (since it started): there is nothing to debug")
 
     def status(self) -> list[RankStatus]:
         """One row per rank: pid, state (idle, running, dead), device, RSS, GPU memory, last cell.
@@ -602,6 +623,9 @@ class Session:
                 for m in members:
                     self._send_request(m, kind, req, body, fds, label)
                 return self._wait(members, req, timeout)
+            except RankError as e:
+                self.last_error = e
+                raise
             finally:
                 self._close_prompts()
                 with self._flag_lock:

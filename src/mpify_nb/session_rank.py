@@ -379,6 +379,10 @@ def _handle(kind: bytes, req_id: int, body, fds: list[int], namespace: dict, sta
     except BaseException as e:
         payload.close_fds(fds)
         interrupted = isinstance(e, KeyboardInterrupt)
+        if kind in (RUN, APPLY):  # as Python does for an uncaught error: pdb.pm() and Session.debug() find it
+            sys.last_type, sys.last_value, sys.last_traceback = type(e), e, e.__traceback__
+            if sys.version_info >= (3, 12):
+                sys.last_exc = e
         return pack(FAIL, req_id, pickle.dumps((_capture(e), interrupted, _meta()))), []
     payload.close_fds(fds)
     meta = _meta()

@@ -214,6 +214,7 @@ def session_magics_class() -> type:
             super().__init__(shell)
             self._session: Any = None
             self._timeout: Optional[float] = None
+            self._ipython_debug: Optional[Callable[[str], Any]] = None  # IPython's own %debug
             self._router = CellRouter()
             shell.input_transformers_cleanup.insert(0, self._router)
             shell.events.register("pre_execute", self._router.pre_execute)
@@ -310,6 +311,10 @@ def session_magics_class() -> type:
                 raise
             self._timeout = args.timeout
             self._router.automatic = True
+            line_magics = self._sh.magics_manager.magics["line"]
+            if line_magics.get("debug") is not self._debug_the_rank:  # %debug after a rank error: that rank
+                self._ipython_debug = line_magics.get("debug")
+                line_magics["debug"] = self._debug_the_rank
             rows = self._session.status()
             backend = getattr(self._session, "backend", None) or args.backend or ""
             print(f"{args.num_processes} ranks ready{f' ({backend})' if backend else ''}: "
@@ -361,6 +366,9 @@ def session_magics_class() -> type:
             s, self._session = self._session, None
             self._router.automatic = False
             self._timeout = None
+            line_magics = self._sh.magics_manager.magics["line"]
+            if self._ipython_debug is not None and line_magics.get("debug") is self._debug_the_rank:
+                line_magics["debug"] = self._ipython_debug
             if s is not None:
                 s.close()
 
@@ -394,6 +402,38 @@ def session_magics_class() -> type:
                 return
             print("Restarted " + ", ".join(f"rank {r.rank} (pid {r.pid})" for r in rows if r.rank in changed)
                   + "; the group is rebuilt, the other ranks kept their state.")
+
+        @magic_arguments()
+        @argument("-r", "--rank", type=int, metavar="K",
+                  help="the rank to debug (default: the root cause of the last failed cell)")
+        @line_magic
+        def dist_debug(self, line: str) -> None:
+            """pdb post mortem on a rank: the frames and locals of the last error a cell raised
+            there. Commands are typed into the frontend's input prompt, ``[rank k] (Pdb)``.
+
+            Example::
+
+                %dist_debug            # the rank that caused the last failed cell
+                %dist_debug --rank 0
+            """
+            s = self._require("dist_debug")
+            args = parse_argstring(self.dist_debug, line)
+            if args.rank is None and s.last_error is None:
+                raise UsageError("%dist_debug: no cell on the ranks has failed yet; %dist_debug --rank K "
+                                 "debugs the last error of rank K")
+            try:
+                self._call(lambda: s.debug(args.rank))
+            except ValueError as e:
+                raise UsageError(f"%dist_debug: {e}") from None
+
+        def _debug_the_rank(self, line: str) -> Any:
+            """IPython's %debug, right after a cell failed on the ranks: post mortem on the rank
+            that caused it (its frames are there, not in the kernel); otherwise IPython's own."""
+            s = self._session
+            last = getattr(sys, "last_value", None)
+            if not line.strip() and s is not None and not s.closed and last is not None and last is s.last_error:
+                return self.dist_debug("")
+            return self._ipython_debug(line)
 
         # -- automatic mode ----------------------------------------------------------------
 

@@ -1,0 +1,262 @@
+"""Debugging a rank from the notebook (issue 20), in a real kernel, with this test as the
+frontend: it speaks the Jupyter protocol with jupyter_client, executes cells with or without
+``allow_stdin``, and answers the kernel's ``input_request``s on the stdin channel as
+JupyterLab does when a user types into the input box.
+
+One kernel serves the persistent-rank tests (2 ranks, gloo); ``%%ranch`` runs in it too.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
+
+import pytest
+
+pytest.importorskip("ipykernel")
+jupyter_client = pytest.importorskip("jupyter_client")
+
+import nbutil  # noqa: E402
+from jupyter_client.kernelspec import KernelSpecManager  # noqa: E402
+from jupyter_client.manager import KernelManager  # noqa: E402
+
+CELL_TIMEOUT = 120.0
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@dataclass
+class Cell:
+    """What one executed cell did, as the frontend saw it."""
+
+    number: int = 0  # execution_count: the prompt's number
+    status: str = ""
+    prompts: list[str] = field(default_factory=list)  # input_request prompts, in order
+    stdout: str = ""
+    stderr: str = ""
+    results: list[str] = field(default_factory=list)  # execute_result / display_data text/plain
+    ename: str = ""
+    traceback: str = ""
+    stdin_at: list[float] = field(default_factory=list)  # when each input_request arrived
+
+
+# An answerer: the list of lines to type, in order, or a function of the prompt (None: interrupt).
+Answers = Union[list, Callable[[str], Optional[str]]]
+
+
+class Frontend:
+    """A kernel (this interpreter, the private kernelspec of nbutil) and a client to it."""
+
+    def __init__(self, cwd: str):
+        self.marker = uuid.uuid4().hex
+        env = dict(os.environ, **{nbutil.MARKER_VAR: self.marker, "PYDEVD_DISABLE_FILE_VALIDATION": "1"})
+        self.km = KernelManager(kernel_name=nbutil.KERNEL_NAME,
+                                kernel_spec_manager=KernelSpecManager(kernel_dirs=[nbutil.kernel_dir()]))
+        self.km.start_kernel(env=env, cwd=cwd)
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+
+    def run(self, code: str, answers: Answers = (), allow_stdin: bool = True,
+            timeout: float = CELL_TIMEOUT) -> Cell:
+        """Execute ``code``; answer each input request from ``answers`` (a None answer
+        presses the stop button instead); return what came back."""
+        pending = list(answers) if not callable(answers) else None
+        msg_id = self.kc.execute(code, allow_stdin=allow_stdin)
+        cell = Cell()
+        deadline = time.monotonic() + timeout
+        reply = None
+        idle = False
+        while (reply is None or not idle) and time.monotonic() < deadline:
+            try:
+                msg = self.kc.stdin_channel.get_msg(timeout=0.005)
+            except queue.Empty:
+                msg = None
+            if msg is not None and msg["msg_type"] == "input_request":
+                prompt = msg["content"]["prompt"]
+                cell.prompts.append(prompt)
+                cell.stdin_at.append(time.monotonic())
+                if pending is not None:
+                    answer = pending.pop(0) if pending else None
+                else:
+                    answer = answers(prompt)  # type: ignore[operator]
+                if answer is None:
+                    self.km.interrupt_kernel()
+                else:
+                    self.kc.input(answer)
+            while True:
+                try:
+                    msg = self.kc.iopub_channel.get_msg(timeout=0.005)
+                except queue.Empty:
+                    break
+                if msg["parent_header"].get("msg_id") != msg_id:
+                    continue
+                kind, content = msg["msg_type"], msg["content"]
+                if kind == "stream":
+                    if content["name"] == "stdout":
+                        cell.stdout += content["text"]
+                    else:
+                        cell.stderr += content["text"]
+                elif kind in ("execute_result", "display_data"):
+                    cell.results.append(content["data"].get("text/plain", ""))
+                elif kind == "error":
+                    cell.ename = content["ename"]
+                    cell.traceback = ANSI.sub("", "\n".join(content["traceback"]))
+                elif kind == "execute_input":
+                    cell.number = content["execution_count"]
+                elif kind == "status" and content["execution_state"] == "idle":
+                    idle = True
+            if reply is None:
+                try:
+                    msg = self.kc.shell_channel.get_msg(timeout=0.005)
+                except queue.Empty:
+                    continue
+                if msg["parent_header"].get("msg_id") == msg_id:
+                    reply = msg
+        assert reply is not None, f"the cell did not finish within {timeout} s: {cell}"
+        cell.status = reply["content"]["status"]
+        return cell
+
+    def ok(self, code: str, answers: Answers = ()) -> Cell:
+        cell = self.run(code, answers)
+        assert cell.status == "ok", cell
+        return cell
+
+    def close(self) -> None:
+        try:
+            self.kc.stop_channels()
+            self.km.shutdown_kernel(now=False)
+        finally:
+            nbutil.assert_no_leftovers(self.marker)
+
+
+@pytest.fixture(scope="module")
+def nb(tmp_path_factory):
+    front = Frontend(str(tmp_path_factory.mktemp("debugging")))
+    try:
+        front.ok("%load_ext mpify_nb")
+        front.ok("%dist_init -n 2")
+        yield front
+    finally:
+        front.close()
+
+
+def pdb_prompts(n: int, rank: int = 1) -> list[str]:
+    return [f"[rank {rank}] (Pdb) "] * n
+
+
+# -- persistent cells ------------------------------------------------------------------------
+
+def test_breakpoint_on_rank_1_steps_and_prints_what_the_user_asks(nb):
+    cell = nb.run("bp_x = 41 + rank\nif rank == 1:\n    breakpoint()\n    bp_y = bp_x + 1\n"
+                  "    bp_z = bp_y * 2\nbp_x", ["p bp_x", "n", "p bp_y", "c"])
+    assert cell.status == "ok", cell
+    assert cell.prompts == pdb_prompts(4)
+    cell_file = r"/tmp/ipykernel_\d+/\d+\.py"  # where ipykernel keeps the cell's source
+    assert re.fullmatch(  # the prompt is the input box's, not a line of the cell
+        rf"\[rank 1\] > {cell_file}\(4\)<module>\(\)\n\[rank 1\] -> bp_y = bp_x \+ 1\n\[rank 1\] 42\n"
+        rf"\[rank 1\] > {cell_file}\(5\)<module>\(\)\n\[rank 1\] -> bp_z = bp_y \* 2\n\[rank 1\] 43\n",
+        cell.stdout), cell.stdout
+    assert cell.results == ["[rank 0] 41\n[rank 1] 42"]
+
+
+def test_input_on_every_rank_asks_each_in_turn(nb):
+    names = {"[rank 0] name? ": "alice", "[rank 1] name? ": "bob"}
+    cell = nb.run("in_name = input('name? ')\n(in_name, rank)", lambda prompt: names[prompt])
+    assert cell.status == "ok", cell
+    assert sorted(cell.prompts) == ["[rank 0] name? ", "[rank 1] name? "]
+    assert cell.results == ["[rank 0] ('alice', 0)\n[rank 1] ('bob', 1)"]
+
+
+def test_two_ranks_stopping_in_one_cell_get_their_prompts_in_turn(nb):
+    typed = {0: ["p rank * 10", "c"], 1: ["p rank * 10", "c"]}
+
+    def answer(prompt: str) -> str:
+        return typed[int(prompt[6])].pop(0)
+
+    cell = nb.run("two = rank\nbreakpoint()\ntwo + 1", answer)
+    assert cell.status == "ok", cell
+    assert sorted(cell.prompts) == sorted(pdb_prompts(2, 0) + pdb_prompts(2, 1))
+    assert "[rank 0] 0\n" in cell.stdout and "[rank 1] 10\n" in cell.stdout
+    assert cell.results == ["[rank 0] 1\n[rank 1] 2"]
+
+
+def test_torch_distributed_breakpoint_while_rank_0_waits_in_its_barrier(nb):
+    """torch's own breakpoint reopens /dev/stdin (fd 0 itself, not sys.stdin); rank 0 waits
+    in a barrier meanwhile, which is no mistake: no CollectiveError."""
+    cell = nb.run("tdb_v = rank * 100\ndist.breakpoint(rank=1)\ntdb_v + 1", ["up", "p tdb_v", "c"])
+    assert cell.status == "ok", cell
+    assert cell.prompts == pdb_prompts(3)
+    assert "[rank 1] 100\n" in cell.stdout
+    assert cell.results == ["[rank 0] 1\n[rank 1] 101"]
+
+
+def test_post_mortem_on_the_rank_that_raised(nb):
+    failed = nb.run("def pm_f(q):\n    pm_local = q * 3\n    return 1 / (rank - 1)\npm_f(rank + 5)")
+    assert failed.ename == "RankRaisedError", failed
+    cell = nb.run("%dist_debug", ["p pm_local, q, rank", "q"])
+    assert cell.status == "ok", cell
+    assert cell.prompts == pdb_prompts(2)
+    assert "[rank 1] (18, 6, 1)\n" in cell.stdout
+    # IPython's own %debug, right after a rank error, does the same.
+    nb.run("pm_g = 1 / (rank - 1)")
+    cell = nb.run("%debug", ["p rank", "q"])
+    assert cell.status == "ok" and cell.prompts == pdb_prompts(2), cell
+    assert "[rank 1] 1\n" in cell.stdout
+    cell = nb.run("%dist_debug --rank 0", ["q"])
+    assert cell.status == "error" and cell.prompts == [], cell
+    assert cell.stderr == "UsageError: %dist_debug: no cell has failed on rank 0 (since it started): there is " \
+                          "nothing to debug\n"
+
+
+def test_the_stop_button_at_a_prompt_ends_the_cell_and_keeps_state(nb):
+    nb.ok("stop_keep = rank + 1")
+    cell = nb.run("if rank == 1:\n    breakpoint()\n    stop_keep = -1\nstop_keep", [None])
+    assert cell.ename == "KeyboardInterrupt", cell
+    assert cell.prompts == pdb_prompts(1)
+    assert nb.ok("stop_keep").results == ["[rank 0] 1\n[rank 1] 2"]
+    assert "running" not in nb.ok("%dist_status").results[0]
+
+
+def test_a_frontend_without_stdin_gets_a_clear_error_at_the_read(nb):
+    cell = nb.run("if rank == 1:\n    input('never? ')\n1", allow_stdin=False)
+    assert cell.ename == "RankRaisedError", cell
+    assert "rank 1 raised mpify_nb.errors.StdinUnavailableError: rank 1 asked for input, but this frontend " \
+           "cannot answer" in cell.traceback
+    assert cell.prompts == []
+    assert nb.ok("1").results == ["[rank 0] 1\n[rank 1] 1"]
+
+
+def test_a_prompt_does_not_count_against_the_timeout(nb):
+    """timeout=1, and the user takes 2.5 s to answer: the call is not timed out."""
+    def slow(prompt: str) -> str:
+        time.sleep(2.5)
+        return "c"
+
+    cell = nb.run("%%local\nfrom mpify_nb.magics.session import session\n"
+                  "session().run('to_v = 5\\nbreakpoint()\\nto_v', ranks=[1], timeout=1)", slow)
+    assert cell.status == "ok", cell
+    assert cell.prompts == pdb_prompts(1) and cell.results == ["{1: 5}"]
+
+
+# -- %%ranch and ranch() -------------------------------------------------------------------
+
+def test_ranch_rank_1_breakpoint(nb):
+    nb.ok("%dist_mode off")
+    try:
+        cell = nb.run("%%ranch 2\nimport os\nrv = int(os.environ['RANK']) * 7\n"
+                      "if int(os.environ['RANK']) == 1:\n    breakpoint()\nrv", ["p rv", "c"])
+        assert cell.status == "ok", cell
+        assert cell.prompts == pdb_prompts(2)
+        assert "[rank 1] 7\n" in cell.stdout
+        cell = nb.run("from mpify_nb import ranch\n"
+                      "def rf():\n    import os\n    v = os.environ['RANK']\n    return input('v? ') + v\n"
+                      "ranch(2, rf, caller_rank=None)", lambda prompt: {"[rank 0] v? ": "a", "[rank 1] v? ": "b"}[prompt])
+        assert cell.status == "ok", cell
+        assert cell.results == ["['a0', 'b1']"]
+    finally:
+        nb.ok("%dist_mode on")
