@@ -21,9 +21,10 @@ import pytest
 pytest.importorskip("ipykernel")
 jupyter_client = pytest.importorskip("jupyter_client")
 
-import nbutil  # noqa: E402
 from jupyter_client.kernelspec import KernelSpecManager  # noqa: E402
 from jupyter_client.manager import KernelManager  # noqa: E402
+
+import nbutil  # noqa: E402
 
 CELL_TIMEOUT = 120.0
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -255,7 +256,7 @@ def test_ranch_rank_1_breakpoint(nb):
         assert "[rank 1] 7\n" in cell.stdout
         cell = nb.run("from mpify_nb import ranch\n"
                       "def rf():\n    import os\n    v = os.environ['RANK']\n    return input('v? ') + v\n"
-                      "ranch(2, rf, caller_rank=None)", lambda prompt: {"[rank 0] v? ": "a", "[rank 1] v? ": "b"}[prompt])
+                      "ranch(2, rf, caller_rank=None)", {"[rank 0] v? ": "a", "[rank 1] v? ": "b"}.get)
         assert cell.status == "ok", cell
         assert cell.results == ["['a0', 'b1']"]
     finally:

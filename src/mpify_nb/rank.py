@@ -195,7 +195,7 @@ def _watch_caller(channel: socket.socket) -> None:
     /dev/stdin opened again) is seen here and asked for."""
     try:
         while True:
-            if select.select([channel], [], [], 0.05)[0]:
+            if select.select([channel], [], [], rank_stdin.RAW_READ_PERIOD)[0]:
                 message = wire.recv(channel)
                 if message is None:
                     break

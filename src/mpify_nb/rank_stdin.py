@@ -53,6 +53,7 @@ class _State:
         self.pipe_w = -1
         self.pipe_inode = ""
         self.raw_asked = False  # an ASK for a raw read is out: not again until it is answered
+        self.reader_tid = 0  # the thread that runs the user's code (looked at most often)
 
 
 _state = _State()
@@ -60,7 +61,8 @@ _state = _State()
 
 def install(send_ask: Callable[[int], None]) -> None:
     """Make this process's stdin the notebook's user: ``send_ask(token)`` tells the caller
-    that a read waits (from any thread; it must send whole messages)."""
+    that a read waits (from any thread; it must send whole messages). Call on the thread
+    that will run the user's code."""
     r, w = os.pipe()
     os.dup2(r, 0)
     os.close(r)
@@ -68,6 +70,7 @@ def install(send_ask: Callable[[int], None]) -> None:
     _state.pipe_w = w
     _state.pipe_inode = os.readlink("/proc/self/fd/0")
     _state.send_ask = send_ask
+    _state.reader_tid = threading.get_native_id()
     stdin = RankStdin()
     sys.stdin = sys.__stdin__ = stdin  # type: ignore[misc]
 
@@ -98,13 +101,19 @@ def _end_raw_read() -> None:
     os.close(old)  # the blocked read, on the old pipe, returns 0
 
 
+#: How often a rank's reader thread looks for a read of fd 0 itself (the main thread's; every
+#: thread's at every fifth look): each look reads one small /proc file.
+RAW_READ_PERIOD = 0.01
+_looks = itertools.count()
+
+
 def raw_read_waiting() -> bool:
     """Is a thread of this process blocked reading our stdin pipe itself (fd 0, or a
     /dev/stdin opened again), not through sys.stdin? Then send it an ASK (once)."""
     if _state.send_ask is None or _state.raw_asked or _unread(_state.pipe_w):
         return False  # asked already, or the last answer is not read yet
     try:
-        tasks = os.listdir("/proc/self/task")
+        tasks = os.listdir("/proc/self/task") if next(_looks) % 5 == 0 else [str(_state.reader_tid)]
     except OSError:
         return False
     for tid in tasks:

@@ -468,9 +468,10 @@ def _control_loop(control: socket.socket, state: _State) -> None:
     watched = NO_REQUEST
     recorder_for = NO_REQUEST  # the request for which the caller asked us to read the recorder
     reported: list[waits.Wait] = []
+    next_watch = 0.0
     while True:
         busy = state.request != NO_REQUEST
-        ready = select.select([control, state.wake_r], [], [], _WATCH_PERIOD if busy else None)[0]
+        ready = select.select([control, state.wake_r], [], [], rank_stdin.RAW_READ_PERIOD if busy else None)[0]
         if state.wake_r in ready:
             try:
                 os.read(state.wake_r, 4096)
@@ -505,6 +506,9 @@ def _control_loop(control: socket.socket, state: _State) -> None:
             continue
         if rank_stdin.raw_read_waiting():  # C code, or /dev/stdin opened again, reads fd 0
             _send(control, pack(ASK, request, pickle.dumps(rank_stdin.RAW)))
+        if time.monotonic() < next_watch and not ready:
+            continue
+        next_watch = time.monotonic() + _WATCH_PERIOD
         now = waits.waits_of(state.main_ident, recorder=recorder_for == request)
         if len(now) != len(reported) or not all(a.same_wait(b) for a, b in zip(now, reported)):
             where = waits.user_line(state.main_ident) if now else None
