@@ -25,6 +25,7 @@ BENCHMARKS = {
     "throughput": "bench_throughput.py",  # target 4
     "memory": "bench_memory.py",  # target 5
     "session": "bench_session_magics.py",  # issue 8: persistent ranks, beside ipyparallel/nbdistributed
+    "debugging": "bench_debugging.py",  # issue 20: a rank's stdin through the frontend
 }
 
 

@@ -658,6 +658,7 @@ def test_example_notebook_runs():
     text = "\n".join(nbutil.all_text(c) for c in nb.cells if c.cell_type == "code")
     assert "[rank 1] tensor(" in text
     assert "rank 0 raised NameError: name 't' is not defined" in text
+    assert "rank 0 asked for input, but this frontend cannot answer" in text  # %dist_debug without stdin
     assert "KeyboardInterrupt" in text
     assert "rank 1 was killed by SIGKILL" in text and "Restarted rank 1" in text
     assert "2 ranks stopped" in text
