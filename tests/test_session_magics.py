@@ -220,7 +220,7 @@ def test_distributed_to_both_runs_in_the_kernel_first(dist):
     assert dist.ok("both_sq(rank + 2)").shown() == ["[rank 0] 4\n[rank 1] 9"]
     error = dist.fails("%%distributed --to both\nboth_x = 1\nundefined_in_kernel", "NameError")
     text = error.error_text()
-    assert "[kernel]" in text and re.search(r"Cell In\[\d+\], line 3", text), text
+    assert "[kernel]" in text and re.search(rf"Cell In\[{error.cell.execution_count}\], line 3", text), text
     assert dist.ok("'both_x' in globals()").shown() == ["[rank 0] False\n[rank 1] False"]  # ranks never ran it
 
 
@@ -389,7 +389,9 @@ def test_a_rank_error_fails_the_cell_with_the_cell_line_and_state_is_kept(dist):
     ran = dist.fails("err_a = 1\nif rank == 1:\n    raise ValueError('boom on ' + str(rank))\nerr_a", "RankRaisedError")
     text = ran.error_text()
     assert "rank 1 raised ValueError: boom on 1" in text
-    assert re.search(r"Cell In\[\d+\], line 3, in <module>\n\s+raise ValueError\('boom on ' \+ str\(rank\)\)", text)
+    # The cell's own number, as its prompt shows it (In [n]): IPython 9 counts the cell before running it.
+    assert re.search(rf"Cell In\[{ran.cell.execution_count}\], line 3, in <module>\n"
+                     r"\s+raise ValueError\('boom on ' \+ str\(rank\)\)", text), text
     assert not LIBRARY_PATH.search(text), text
     assert dist.ok("err_keep, err_a").shown() == ["[rank 0] (0, 1)\n[rank 1] (10, 1)"]
 
@@ -399,14 +401,15 @@ def test_identical_errors_are_shown_once_with_the_ranks(dist):
     text = ran.error_text()
     assert "ranks [0, 1] raised ZeroDivisionError: division by zero" in text
     assert text.count("Traceback") == 1 and "rank 0 raised" not in text and "rank 1 raised" not in text
-    assert re.search(r"Cell In\[\d+\], line 2, in <module>\n\s+1 / 0", text), text
+    assert re.search(rf"Cell In\[{ran.cell.execution_count}\], line 2, in <module>\n\s+1 / 0", text), text
 
 
 def test_a_syntax_error_points_at_the_cell_line(dist):
     ran = dist.run("fine = 1\nbad = (")
     assert not ran.ok
     text = ran.error_text()
-    assert re.search(r"Cell In\[\d+\], line 2\n\s+bad = \(", text) and "SyntaxError" in text, text
+    assert re.search(rf"Cell In\[{ran.cell.execution_count}\], line 2\n\s+bad = \(", text), text
+    assert "SyntaxError" in text, text
 
 
 def test_a_collective_not_every_rank_joins_ends_with_an_error_and_the_group_is_rebuilt(dist):
