@@ -301,6 +301,7 @@ def session_magics_class() -> type:
 
             try:
                 self._session = Session(args.num_processes, ddp=True, gpus=gpus, backend=args.backend)
+                self._session.restart_how = "%dist_restart"
             except (ValueError, RuntimeError) as e:
                 if isinstance(e, RankError):
                     raise
