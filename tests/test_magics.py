@@ -392,6 +392,27 @@ def test_a_ddp_model_left_by_a_ddp_cell_says_its_group_ended(kernel):
     assert kernel.ok("tuple(model.module(torch.ones(1, 2)).shape)").shown() == ["(1, 1)"]
 
 
+def test_fsdp_modules_dtensors_and_meshes_left_by_a_ddp_cell_say_their_group_ended(kernel):
+    from mpify_nb.ddp import FSDP_ENDED_MESSAGE, MESH_ENDED_MESSAGE
+
+    kernel.ok("%%ranch 2 --ddp\nimport torch\nfrom torch.distributed.device_mesh import init_device_mesh\n"
+              "from torch.distributed.fsdp import fully_shard\n"
+              "from torch.distributed.tensor import Shard, distribute_tensor\n"
+              "sharded_mesh = init_device_mesh('cpu', (2,))\n"
+              "sharded = fully_shard(torch.nn.Linear(2, 1), mesh=sharded_mesh)\n"
+              "sharded(torch.ones(1, 2)).sum().backward()\n"
+              "sharded_t = distribute_tensor(torch.arange(4.0), sharded_mesh, [Shard(0)])")
+    # Before: gloo's "Connection closed by peer" (the module), "Could not resolve the process group" (the rest).
+    for use, message in [("sharded(torch.ones(1, 2))", FSDP_ENDED_MESSAGE),
+                         ("sharded.weight.full_tensor()", MESH_ENDED_MESSAGE),
+                         ("sharded_t.full_tensor()", MESH_ENDED_MESSAGE),
+                         ("sharded_mesh.get_group()", MESH_ENDED_MESSAGE)]:
+        ran = kernel.run(use)
+        assert (ran.error.ename, ran.error.evalue) == ("RuntimeError", message), (use, ran.error_text())
+    # What needs no other rank still works: this rank's own shard.
+    assert kernel.ok("sharded_t.to_local().tolist()").shown() == ["[0.0, 1.0]"]
+
+
 def test_timeout_stops_the_cell(kernel):
     ran = kernel.run("%%ranch 2 --timeout 1\nimport time\nwhile True:\n    time.sleep(60)")
     assert not ran.ok
