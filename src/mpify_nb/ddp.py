@@ -232,9 +232,9 @@ def disarm_ended_ddp(roots: Sequence[Any]) -> int:
     found = 0
     seen: set[int] = set()
     for obj in _one_level_down(roots):
-        kind = type(obj)
         if id(obj) in seen:
             continue
+        kind = type(obj)
         if issubclass(kind, ddp_type):
             _refuse_calls(obj, ENDED_GROUP_MESSAGE)
         elif fsdp_type is not None and issubclass(kind, fsdp_type):
