@@ -292,35 +292,37 @@ def test_error_on_rank1_fails_the_cell_with_the_rank_and_the_cell_line(kernel):
     text = ran.error_text()
     assert "rank 1 raised ValueError: boom on 1" in text
     # The cell's line 5 (line 1 is %%ranch), with its source, and no library frames.
-    assert re.search(r"Cell In\[\d+\], line 5, in <module>\n\s+raise ValueError\('boom on ' \+ os.environ\['RANK'\]\)",
-                     text), text
+    # The cell's own number, as its prompt shows it (In [n]): IPython 9 counts the cell before running it.
+    assert re.search(rf"Cell In\[{ran.cell.execution_count}\], line 5, in <module>\n"
+                     r"\s+raise ValueError\('boom on ' \+ os.environ\['RANK'\]\)", text), text
     assert not LIBRARY_PATH.search(text), text
     usage = kernel.run("%ranch_result")
     assert not usage.ok and "no %%ranch cell has finished" in usage.stream("stderr")
 
 
 def test_error_in_a_notebook_function_shows_both_cells(kernel):
-    kernel.ok("def fails_on_rank1():\n    import os\n    if os.environ['RANK'] == '1':\n"
+    defined = kernel.ok("def fails_on_rank1():\n    import os\n    if os.environ['RANK'] == '1':\n"
               "        raise KeyError('deep')\n    return 0")
     ran = kernel.run("%%ranch 2\nfails_on_rank1()")
     text = ran.error_text()
     assert "rank 1 raised KeyError: 'deep'" in text
-    assert re.search(r"Cell In\[\d+\], line 2, in <module>\n\s+fails_on_rank1\(\)", text), text
-    assert re.search(r"Cell In\[\d+\], line 4, in fails_on_rank1\n\s+raise KeyError\('deep'\)", text), text
+    assert re.search(rf"Cell In\[{ran.cell.execution_count}\], line 2, in <module>\n\s+fails_on_rank1\(\)", text), text
+    assert re.search(rf"Cell In\[{defined.cell.execution_count}\], line 4, in fails_on_rank1\n"
+                     r"\s+raise KeyError\('deep'\)", text), text
 
 
 def test_error_on_rank0(kernel):
     ran = kernel.run("%%ranch 2\nimport os\nif os.environ['RANK'] == '0':\n    1 / 0")
     text = ran.error_text()
     assert "rank 0 raised ZeroDivisionError" in text
-    assert re.search(r"Cell In\[\d+\], line 4, in <module>\n\s+1 / 0", text), text
+    assert re.search(rf"Cell In\[{ran.cell.execution_count}\], line 4, in <module>\n\s+1 / 0", text), text
 
 
 def test_syntax_error_points_at_the_cell_line(kernel):
     ran = kernel.run("%%ranch 2\nok_line = 1\nbad = (")
     assert not ran.ok
     text = ran.error_text()
-    assert re.search(r"Cell In\[\d+\], line 3\n\s+bad = \(", text), text
+    assert re.search(rf"Cell In\[{ran.cell.execution_count}\], line 3\n\s+bad = \(", text), text
     assert "SyntaxError: '(' was never closed" in text
     assert not LIBRARY_PATH.search(text), text
 
@@ -388,6 +390,27 @@ def test_a_ddp_model_left_by_a_ddp_cell_says_its_group_ended(kernel):
     assert "Connection closed" not in ran.error_text()
     # The model itself is there, trained, and usable.
     assert kernel.ok("tuple(model.module(torch.ones(1, 2)).shape)").shown() == ["(1, 1)"]
+
+
+def test_fsdp_modules_dtensors_and_meshes_left_by_a_ddp_cell_say_their_group_ended(kernel):
+    from mpify_nb.ddp import FSDP_ENDED_MESSAGE, MESH_ENDED_MESSAGE
+
+    kernel.ok("%%ranch 2 --ddp\nimport torch\nfrom torch.distributed.device_mesh import init_device_mesh\n"
+              "from torch.distributed.fsdp import fully_shard\n"
+              "from torch.distributed.tensor import Shard, distribute_tensor\n"
+              "sharded_mesh = init_device_mesh('cpu', (2,))\n"
+              "sharded = fully_shard(torch.nn.Linear(2, 1), mesh=sharded_mesh)\n"
+              "sharded(torch.ones(1, 2)).sum().backward()\n"
+              "sharded_t = distribute_tensor(torch.arange(4.0), sharded_mesh, [Shard(0)])")
+    # Before: gloo's "Connection closed by peer" (the module), "Could not resolve the process group" (the rest).
+    for use, message in [("sharded(torch.ones(1, 2))", FSDP_ENDED_MESSAGE),
+                         ("sharded.weight.full_tensor()", MESH_ENDED_MESSAGE),
+                         ("sharded_t.full_tensor()", MESH_ENDED_MESSAGE),
+                         ("sharded_mesh.get_group()", MESH_ENDED_MESSAGE)]:
+        ran = kernel.run(use)
+        assert (ran.error.ename, ran.error.evalue) == ("RuntimeError", message), (use, ran.error_text())
+    # What needs no other rank still works: this rank's own shard.
+    assert kernel.ok("sharded_t.to_local().tolist()").shown() == ["[0.0, 1.0]"]
 
 
 def test_timeout_stops_the_cell(kernel):

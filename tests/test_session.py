@@ -331,6 +331,17 @@ def test_merge_rank_errors_keeps_different_errors_apart():
     assert merge_rank_errors([b, a]).ranks == [0, 1]
     root = merge_rank_errors([a, c])
     assert root.ranks == [root.rank] and len(root.others) == 1
+    # Each distinct error is shown with its ranks, identical ones once; the inputs stay as they were
+    # (a dead rank's error is raised again by later calls).
+    shown = merge_rank_errors([c, b, a])
+    assert (shown.rank, shown.ranks, type(shown)) == (0, [0, 1], RankRaisedError)
+    assert str(shown) == ("ranks [0, 1] raised ValueError: x\n\n--- traceback from ranks [0, 1] ---\ntb\n\n"
+                          "rank 2 raised KeyError: y\n\n--- traceback from rank 2 ---\ntb")
+    assert str(merge_rank_errors([c, b, a])) == str(shown)
+    assert (str(c), c.others) == ("rank 2 raised KeyError: y\n\n--- traceback from rank 2 ---\ntb", [])
+    dead = [RankExitedError(0, -9), RankExitedError(1, -6)]
+    assert str(merge_rank_errors(dead)).splitlines()[::2] == [str(dead[0]), str(dead[1])]
+    assert merge_rank_errors(dead[:1]) is dead[0] and str(dead[0]).count("rank") == 1
 
 
 def test_rich_display_from_a_rank_reaches_the_callback(session, capsys):

@@ -220,7 +220,7 @@ def test_distributed_to_both_runs_in_the_kernel_first(dist):
     assert dist.ok("both_sq(rank + 2)").shown() == ["[rank 0] 4\n[rank 1] 9"]
     error = dist.fails("%%distributed --to both\nboth_x = 1\nundefined_in_kernel", "NameError")
     text = error.error_text()
-    assert "[kernel]" in text and re.search(r"Cell In\[\d+\], line 3", text), text
+    assert "[kernel]" in text and re.search(rf"Cell In\[{error.cell.execution_count}\], line 3", text), text
     assert dist.ok("'both_x' in globals()").shown() == ["[rank 0] False\n[rank 1] False"]  # ranks never ran it
 
 
@@ -389,7 +389,9 @@ def test_a_rank_error_fails_the_cell_with_the_cell_line_and_state_is_kept(dist):
     ran = dist.fails("err_a = 1\nif rank == 1:\n    raise ValueError('boom on ' + str(rank))\nerr_a", "RankRaisedError")
     text = ran.error_text()
     assert "rank 1 raised ValueError: boom on 1" in text
-    assert re.search(r"Cell In\[\d+\], line 3, in <module>\n\s+raise ValueError\('boom on ' \+ str\(rank\)\)", text)
+    # The cell's own number, as its prompt shows it (In [n]): IPython 9 counts the cell before running it.
+    assert re.search(rf"Cell In\[{ran.cell.execution_count}\], line 3, in <module>\n"
+                     r"\s+raise ValueError\('boom on ' \+ str\(rank\)\)", text), text
     assert not LIBRARY_PATH.search(text), text
     assert dist.ok("err_keep, err_a").shown() == ["[rank 0] (0, 1)\n[rank 1] (10, 1)"]
 
@@ -399,20 +401,24 @@ def test_identical_errors_are_shown_once_with_the_ranks(dist):
     text = ran.error_text()
     assert "ranks [0, 1] raised ZeroDivisionError: division by zero" in text
     assert text.count("Traceback") == 1 and "rank 0 raised" not in text and "rank 1 raised" not in text
-    assert re.search(r"Cell In\[\d+\], line 2, in <module>\n\s+1 / 0", text), text
+    assert re.search(rf"Cell In\[{ran.cell.execution_count}\], line 2, in <module>\n\s+1 / 0", text), text
 
 
 def test_a_syntax_error_points_at_the_cell_line(dist):
     ran = dist.run("fine = 1\nbad = (")
     assert not ran.ok
     text = ran.error_text()
-    assert re.search(r"Cell In\[\d+\], line 2\n\s+bad = \(", text) and "SyntaxError" in text, text
+    assert re.search(rf"Cell In\[{ran.cell.execution_count}\], line 2\n\s+bad = \(", text), text
+    assert "SyntaxError" in text, text
 
 
 def test_a_collective_not_every_rank_joins_ends_with_an_error_and_the_group_is_rebuilt(dist):
     dist.ok("coll_t = torch.ones(1)\ncoll_keep = rank + 100")
     ran = dist.fails("%%rank [0]\ndist.all_reduce(coll_t)", "CollectiveError")
-    assert "rank 1 never joined" in ran.error_text()
+    # The type leads, as in every error a cell shows (it is what `except` names).
+    n = ran.cell.execution_count
+    assert ran.error_text().startswith(f"CollectiveError: rank 0 was left waiting in dist.all_reduce (rank 0 at "
+                                       f"Cell In[{n}], line 2), which rank 1 never joined;"), ran.error_text()
     ran = dist.fails("if rank == 1:\n    raise RuntimeError('early')\ndist.all_reduce(coll_t)", "CollectiveError")
     assert "rank 1 raised RuntimeError: early" in ran.error_text()
     ran = dist.ok("dist.all_reduce(coll_t)\ncoll_t.item(), coll_keep")
@@ -499,6 +505,44 @@ def test_a_rank_that_computes_long_is_waited_for(dist):
     wrong, so the cell just takes that long."""
     ran = dist.ok("import time\nslow_t = torch.ones(1)\nif rank == 1:\n    time.sleep(3)\n"
                   "dist.all_reduce(slow_t)\nslow_t.item()")
+    assert ran.shown() == ["[rank 0] 2.0\n[rank 1] 2.0"]
+
+
+def test_ranks_that_raise_different_errors_show_each_with_its_ranks(dist):
+    # Rank 0 raises first: its error is the cell's; rank 1's follows, with its own traceback.
+    ran = dist.fails("import time\nif rank == 1:\n    time.sleep(0.3)\n    raise KeyError('late on 1')\n"
+                     "raise ValueError('first on 0')", "RankRaisedError")
+    n = ran.cell.execution_count
+    assert ran.error_text() == (
+        "RankRaisedError: rank 0 raised ValueError: first on 0\n\n"
+        "--- traceback from rank 0 ---\n"
+        "Traceback (most recent call last):\n"
+        f"  Cell In[{n}], line 5, in <module>\n"
+        "    raise ValueError('first on 0')\n"
+        "ValueError: first on 0\n\n"
+        "rank 1 raised KeyError: 'late on 1'\n\n"
+        "--- traceback from rank 1 ---\n"
+        "Traceback (most recent call last):\n"
+        f"  Cell In[{n}], line 4, in <module>\n"
+        "    raise KeyError('late on 1')\n"
+        "KeyError: 'late on 1'")
+
+
+def test_a_rank_that_a_collective_aborts_says_how_to_recover(dist):
+    dist.ok("abort_keep = rank + 200")
+    # Rank 0 sends 2 floats where rank 1 expects 1: gloo aborts rank 1 (SIGABRT), its message on stderr.
+    ran = dist.fails("dist.all_gather([torch.zeros(2 - rank) for _ in range(2)], torch.ones(2 - rank))",
+                     "RankExitedError")
+    assert "Received data size doesn't match expected size" in ran.stream("stderr"), ran.outputs
+    shown = ("RankExitedError: rank 1 was killed by SIGABRT (an abort in C++ code, e.g. gloo's check that a "
+             "collective's tensors match: the rank printed why on its stderr)\n"
+             "Its Python state is lost; %dist_restart starts a fresh rank 1 and rebuilds the group "
+             "(the other ranks keep their state).")
+    assert ran.error_text() == shown
+    assert dist.fails("abort_keep", "RankExitedError").error_text() == shown  # every cell, until restarted
+    assert "Restarted rank 1" in dist.ok("%dist_restart").stream()
+    assert dist.ok("%%rank [0]\nabort_keep").shown() == ["[rank 0] 200"]
+    ran = dist.ok("abort_t = torch.ones(1)\ndist.all_reduce(abort_t)\nabort_t.item()")
     assert ran.shown() == ["[rank 0] 2.0\n[rank 1] 2.0"]
 
 

@@ -198,32 +198,88 @@ ENDED_GROUP_MESSAGE = (
     "cannot run its collectives here. Use its .module (the trained model itself, e.g. model.module(x)), "
     "or wrap it in DistributedDataParallel again inside a new call."
 )
+FSDP_ENDED_MESSAGE = (
+    "this FSDP module (fully_shard) was sharded on the process group of a ranch call (or a %%ranch --ddp "
+    "cell) that has ended: the other ranks, which hold the rest of its parameters, are gone with that group, "
+    "so it cannot gather them here. Gather what you need inside the call (e.g. get_model_state_dict(model, "
+    "options=StateDictOptions(full_state_dict=True)) from torch.distributed.checkpoint.state_dict), or "
+    "shard a new model inside a new call."
+)
+MESH_ENDED_MESSAGE = (
+    "this DeviceMesh (or a DTensor on it) was made on the process group of a ranch call (or a %%ranch --ddp "
+    "cell) that has ended: that group ended with the call and its other ranks are gone, so it cannot run "
+    "collectives here. A DTensor's own shard is its .to_local(); gather a full tensor (.full_tensor()) "
+    "inside the call."
+)
 
 
 def disarm_ended_ddp(roots: Sequence[Any]) -> int:
-    """After a call whose process group ended: make each DistributedDataParallel model found in
-    ``roots`` (and one level inside them: containers, attributes) fail at once with a clear
-    RuntimeError when used, instead of gloo's "Connection closed by peer" (or a hang) when it
-    tries to talk to ranks that are gone. Returns how many were found."""
+    """After a call whose process group ended: make each object found in ``roots`` (and one level
+    inside them: containers, attributes) that needs that group fail at once with a clear
+    RuntimeError when used, instead of gloo's "Connection closed by peer" (or a hang, or torch's
+    "Could not resolve the process group") when it tries to talk to ranks that are gone:
+    DistributedDataParallel and FSDP2 (``fully_shard``) modules when called, DeviceMeshes and
+    DTensors (through their mesh) when they need a collective. Returns how many were found."""
     torch = sys.modules.get("torch")
     parallel = sys.modules.get("torch.nn.parallel")
     if torch is None or parallel is None:
         return 0
     ddp_type = parallel.DistributedDataParallel
+    # Only when the call imported them: a notebook that never used FSDP or DTensor has none.
+    fsdp_type = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    dtensor_type = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    mesh_type = getattr(sys.modules.get("torch.distributed.device_mesh"), "DeviceMesh", None)
     found = 0
     seen: set[int] = set()
     for obj in _one_level_down(roots):
-        if issubclass(type(obj), ddp_type) and id(obj) not in seen:
-            seen.add(id(obj))
-            if not getattr(obj, "_mpify_group_ended", False):
-                obj._mpify_group_ended = True
-                obj.register_forward_pre_hook(_refuse_ended_group)
-            found += 1
+        if id(obj) in seen:
+            continue
+        kind = type(obj)
+        if issubclass(kind, ddp_type):
+            _refuse_calls(obj, ENDED_GROUP_MESSAGE)
+        elif fsdp_type is not None and issubclass(kind, fsdp_type):
+            for module in obj.modules():  # each FSDP submodule gathers its own parameters
+                if isinstance(module, fsdp_type):
+                    _refuse_calls(module, FSDP_ENDED_MESSAGE)
+            if dtensor_type is not None:
+                for parameter in obj.parameters():
+                    if isinstance(parameter, dtensor_type):
+                        _refuse_collectives(parameter.device_mesh)
+        elif dtensor_type is not None and issubclass(kind, dtensor_type):
+            _refuse_collectives(obj.device_mesh)
+        elif mesh_type is not None and issubclass(kind, mesh_type):
+            _refuse_collectives(obj)
+        else:
+            continue
+        seen.add(id(obj))
+        found += 1
     return found
 
 
+def _refuse_calls(module: Any, message: str) -> None:
+    if not getattr(module, "_mpify_group_ended", False):
+        module._mpify_group_ended = message
+        # In front of the module's own hooks: FSDP's pre-forward hook is where it gathers.
+        module.register_forward_pre_hook(_refuse_ended_group, prepend=True)
+
+
 def _refuse_ended_group(module, args) -> None:
-    raise RuntimeError(ENDED_GROUP_MESSAGE)
+    raise RuntimeError(module._mpify_group_ended)
+
+
+class _EndedGroupNames(list):
+    """A DeviceMesh's group names, once its groups ended: every collective on the mesh (a
+    DTensor's ``full_tensor``, ``redistribute``, ``mesh.get_group()``) looks its group up by
+    index here, and gets the reason instead. Iterating (pickling the mesh) still works."""
+
+    def __getitem__(self, index: Any) -> Any:
+        raise RuntimeError(MESH_ENDED_MESSAGE)
+
+
+def _refuse_collectives(mesh: Any) -> None:
+    names = getattr(mesh, "_dim_group_names", None)  # private to torch: guarded, as is its type
+    if type(names) is list:
+        mesh._dim_group_names = _EndedGroupNames(names)
 
 
 def _one_level_down(roots: Sequence[Any]):

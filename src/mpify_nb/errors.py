@@ -19,7 +19,7 @@ A :class:`~mpify_nb.Session` (persistent ranks) adds two more:
 * ``SessionClosedError``: the session was closed, so there is nothing to run on.
 
 and :func:`merge_rank_errors`, which reports the same error raised by several ranks
-once, naming the list of ranks.
+once, naming the list of ranks, and different errors each with its ranks.
 """
 
 from __future__ import annotations
@@ -63,8 +63,10 @@ class RankError(RuntimeError):
 
     def _render_traceback_(self) -> list[str]:
         # IPython calls this instead of printing the local traceback, which would
-        # only show library internals: the remote one is what the user needs.
-        return str(self).splitlines()
+        # only show library internals: the remote one is what the user needs. The type
+        # leads, as in every error a cell shows: it is what an `except` clause names.
+        lines = str(self).splitlines() or [""]
+        return [f"{type(self).__name__}: {lines[0]}", *lines[1:]]
 
 
 class RankRaisedError(RankError):
@@ -91,10 +93,11 @@ class RankExitedError(RankError):
     """The process of ``rank`` ended without sending back a result.
 
     ``exitcode`` is the exit status (``None`` when unknown), ``signal_name`` the
-    signal that killed it, if any.
+    signal that killed it, if any. ``recovery``, when given, is a line that says what
+    brings the rank back (a Session's restart).
     """
 
-    def __init__(self, rank: int, exitcode: Optional[int], detail: str = ""):
+    def __init__(self, rank: int, exitcode: Optional[int], detail: str = "", recovery: str = ""):
         self.exitcode = exitcode
         self.signal_name: Optional[str] = None
         if exitcode is not None and exitcode < 0:
@@ -107,6 +110,9 @@ class RankExitedError(RankError):
                 how += " (killed by hand, or by the kernel's out-of-memory killer)"
             elif self.signal_name == "SIGSEGV":
                 how += " (a segmentation fault, usually in a C extension)"
+            elif self.signal_name == "SIGABRT":
+                how += (" (an abort in C++ code, e.g. gloo's check that a collective's tensors match: "
+                        "the rank printed why on its stderr)")
         elif exitcode is not None:
             how = f"exited with code {exitcode} without returning a result"
         else:
@@ -114,6 +120,8 @@ class RankExitedError(RankError):
         msg = f"rank {rank} {how}"
         if detail:
             msg += f": {detail}"
+        if recovery:
+            msg += f"\n{recovery}"
         super().__init__(rank, msg)
 
 
@@ -142,8 +150,8 @@ class CollectiveError(RankError):
         msg = (f"{who} {verb} left waiting in {op}, which {_rank_list(self.missing)} never joined; "
                + ("the process group was rebuilt (Python state kept; re-create objects made on the old "
                   "group, e.g. DistributedDataParallel)" if rebuilt else "the process group is broken"))
-        if self.errors:  # the root cause first: what the missing ranks raised
-            msg = "\n\n".join(str(err) for err in self.errors) + f"\n\nMeanwhile {msg}"
+        if self.errors:  # the root cause first: what the missing ranks raised, each distinct error once
+            msg = f"{merge_rank_errors(self.errors)}\n\nMeanwhile {msg}"
         root = self.errors[0].rank if self.errors else self.missing[0] if self.missing else self.waiting[0]
         super().__init__(root, msg)
         self.ranks = self.missing or self.waiting
@@ -159,28 +167,47 @@ class SessionClosedError(RuntimeError):
 
 
 def merge_rank_errors(errors: list[RankError]) -> RankError:
-    """One error for several ranks' failures: identical ``RankRaisedError``s (same type,
-    message and traceback) become one that names the list of ranks; of different errors
-    the earliest is returned, the rest in its ``.others``.
+    """One error for several ranks' failures, showing each distinct one with its ranks:
+    identical ``RankRaisedError``s (same type, message and traceback) become one that names
+    the list of ranks. Of different errors the earliest is raised (its type is what the cell
+    fails with); the others are in its ``.others``, and its message shows them after its own.
 
     >>> e = merge_rank_errors([err_rank0, err_rank1])   # both raised NameError('t')
     >>> e.ranks
     [0, 1]
+    >>> print(merge_rank_errors([value_error_rank0, key_error_rank1]))
+    rank 0 raised ValueError: ...
+    ...
+    rank 1 raised KeyError: ...
     """
     if not errors:
         raise ValueError("merge_rank_errors needs at least one error")
-    errors = sorted(errors, key=lambda e: e.rank)
-    if len(errors) > 1 and all(isinstance(e, RankRaisedError) for e in errors):
-        raised = [e for e in errors if isinstance(e, RankRaisedError)]
-        key = (raised[0].exc_type, raised[0].exc_message, raised[0].remote_traceback)
-        if all((e.exc_type, e.exc_message, e.remote_traceback) == key for e in raised):
-            merged = RankRaisedError(raised[0].rank, *key, when=min(e.when for e in raised),
-                                     ranks=[e.rank for e in raised])
-            merged.__cause__ = raised[0].__cause__
-            return merged
-    root = min(errors, key=lambda e: e.when)
-    root.others = [e for e in errors if e is not root] + root.others
-    return root
+    alike: dict[object, list[RankError]] = {}
+    for e in sorted(errors, key=lambda e: e.rank):
+        key = (e.exc_type, e.exc_message, e.remote_traceback) if isinstance(e, RankRaisedError) else id(e)
+        alike.setdefault(key, []).append(e)
+    distinct = sorted((_merge_identical(group) for group in alike.values()), key=lambda e: e.when)
+    if len(distinct) == 1:
+        return distinct[0]
+    root, others = distinct[0], distinct[1:]
+    # A copy: a Session raises a dead rank's error again in later calls, alone or with others.
+    shown = type(root).__new__(type(root))
+    shown.__dict__.update(vars(root))
+    shown.__cause__ = root.__cause__
+    shown.args = ("\n\n".join(str(e) for e in distinct),)
+    shown.others = others
+    return shown
+
+
+def _merge_identical(group: list[RankError]) -> RankError:
+    if len(group) == 1:
+        return group[0]
+    first = group[0]
+    assert isinstance(first, RankRaisedError)
+    merged = RankRaisedError(first.rank, first.exc_type, first.exc_message, first.remote_traceback,
+                             when=min(e.when for e in group), ranks=[e.rank for e in group])
+    merged.__cause__ = first.__cause__
+    return merged
 
 
 def _rank_list(ranks: list[int]) -> str:

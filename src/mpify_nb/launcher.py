@@ -758,8 +758,9 @@ class _CallerState:
         return self
 
     def disarm_ended_ddp(self, values: list) -> None:
-        """A DDP model made on the group this call ended, left in the notebook (a %%ranch --ddp
-        cell's variable, or the caller's return value), must say so when used (see ddp.py)."""
+        """A DDP or FSDP model, DTensor or DeviceMesh made on the group this call ended, left in the
+        notebook (a %%ranch --ddp cell's variable, or the caller's return value), must say so when
+        used (see ddp.py)."""
         if self.environ is None or self.dist_was_up:
             return
         torch = sys.modules.get("torch")

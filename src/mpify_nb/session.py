@@ -171,6 +171,9 @@ class Session:
             s.pull("t", rank=None)                 # -> [tensor([3., 3.]), tensor([3., 3.])]
     """
 
+    #: How the error of a dead rank says to replace it (the magics say ``%dist_restart``).
+    restart_how = "Session.restart()"
+
     def __init__(self, n: int, *, ddp: bool = True, gpus: Any = None, backend: Optional[str] = None,
                  timeout: Optional[float] = None):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -930,7 +933,10 @@ class Session:
         self._unregister(m.work, m.control, m.process.death_fd)
         m.process.wait_gone(2.0)
         code = m.process.exit_code(timeout=2.0)
-        m.exit_error = RankExitedError(m.rank, code, m.process.death_detail())
+        # Every later call fails with this until the rank is replaced: say how.
+        m.exit_error = RankExitedError(m.rank, code, m.process.death_detail(),
+                                       f"Its Python state is lost; {self.restart_how} starts a fresh rank {m.rank} "
+                                       "and rebuilds the group (the other ranks keep their state).")
         m.state = "dead"
         m.waits = []
         if m.answer is None:

@@ -357,6 +357,20 @@ class CellSyntaxError(Exception):
         return self._shown
 
 
+def cell_number(shell) -> int:
+    """The number of the cell running now, as its prompt shows it (``In [7]``), for its
+    ``Cell In[7]`` in tracebacks.
+
+    ``shell.execution_count`` is not it on every IPython: 8.x adds one after running the cell,
+    9.x (9.18 at least) before, so a cell reading it gets its own number on 8.x and the next one
+    on 9.x. The ExecutionResult that IPython hands the display hook for the running cell holds
+    the cell's own number on both (None for a silent cell, which has no number of its own).
+    """
+    running = getattr(getattr(shell, "displayhook", None), "exec_result", None)
+    number = getattr(running, "execution_count", None)
+    return number if isinstance(number, int) else shell.execution_count
+
+
 def compile_cell(shell, header: str, cell: str) -> tuple[str, str, ast.Module]:
     """Register a magic cell with IPython's compiler and parse its body.
 
@@ -366,7 +380,7 @@ def compile_cell(shell, header: str, cell: str) -> tuple[str, str, ast.Module]:
     that line numbers in the body are the cell's own. A syntax error raises
     :class:`CellSyntaxError`, shown as IPython shows one in a normal cell.
     """
-    filename = shell.compile.cache(f"{header}\n{cell}", shell.execution_count)
+    filename = shell.compile.cache(f"{header}\n{cell}", cell_number(shell))
     source = "\n" * (header.count("\n") + 1) + cell
     try:
         module = ast.parse(source, filename)

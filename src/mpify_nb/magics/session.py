@@ -36,7 +36,7 @@ import sys
 from typing import Any, Callable, Optional, cast
 
 from .auto import Piece, route, split_cell
-from .cells import CellSyntaxError, ends_with_semicolon, labelled, notebook_names_for, show_briefly
+from .cells import CellSyntaxError, cell_number, ends_with_semicolon, labelled, notebook_names_for, show_briefly
 
 _INIT_USAGE = "%dist_init -n N [-g IDS] [--backend gloo|nccl] [--timeout S]"
 _INTERRUPTED = ("KeyboardInterrupt: the cell was interrupted; every rank stopped what it ran "
@@ -302,6 +302,7 @@ def session_magics_class() -> type:
 
             try:
                 self._session = Session(args.num_processes, ddp=True, gpus=gpus, backend=args.backend)
+                self._session.restart_how = "%dist_restart"
             except (ValueError, RuntimeError) as e:
                 if isinstance(e, RankError):
                     raise
@@ -487,7 +488,7 @@ def session_magics_class() -> type:
             except UsageError as e:
                 raise usage("distributed", str(e), "%%distributed [--to ranks|both]") from None
             if args.auto and self._router.in_silent_cell():
-                self._run_in_kernel(cell, 1, self._sh.compile.cache(cell, self._sh.execution_count), show=False)
+                self._run_in_kernel(cell, 1, self._sh.compile.cache(cell, cell_number(self._sh)), show=False)
                 return
             header = None if args.auto else f"%%distributed {line}".rstrip()
             self._run_cell(cell, header, ranks=None, both=args.to == "both")
@@ -649,7 +650,7 @@ def session_magics_class() -> type:
             s = self._require("distributed" if ranks is None else "rank")
             cell_text = cell if header is None else f"{header}\n{cell}"
             first = 1 if header is None else 2
-            filename = shell.compile.cache(cell_text, shell.execution_count)
+            filename = shell.compile.cache(cell_text, cell_number(shell))
             plan = split_cell(cell, first)
             for piece in plan.pieces:  # nothing runs when any part can't compile
                 if piece.kind != "kernel":
