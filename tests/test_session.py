@@ -419,3 +419,15 @@ def test_close_from_another_thread_ends_a_running_call(session):
     with pytest.raises(SessionClosedError):
         session.run("import time\ntime.sleep(30)")
     assert session.closed
+
+
+def test_programs_a_rank_starts_read_end_of_file_from_stdin(session):
+    """A rank's stdin asks the notebook's user (issue 20), but what the rank starts reads
+    /dev/null as before: a subprocess reading stdin, a forked child; neither hangs."""
+    read = ("import subprocess, sys\n"
+            "subprocess.run([sys.executable, '-c', 'import sys; print(repr(sys.stdin.read()))'],"
+            " capture_output=True, text=True, timeout=20).stdout.strip()")
+    assert session.run(read, timeout=30) == {0: "''", 1: "''"}
+    forked = ("import os\npid = os.fork()\nif pid == 0:\n    import sys\n"
+              "    os._exit(0 if sys.stdin.readline() == '' else 3)\nos.waitpid(pid, 0)[1] >> 8")
+    assert session.run(forked, timeout=30) == {0: 0, 1: 0}

@@ -73,6 +73,23 @@ def install(send_ask: Callable[[int], None]) -> None:
     _state.reader_tid = threading.get_native_id()
     stdin = RankStdin()
     sys.stdin = sys.__stdin__ = stdin  # type: ignore[misc]
+    os.register_at_fork(after_in_child=_forked)
+
+
+def _forked() -> None:
+    """A process this rank forks (a DataLoader worker, multiprocessing) reads /dev/null, as
+    every child of a rank did before: only the rank itself asks the notebook's user."""
+    if _state.send_ask is None:
+        return
+    _state.send_ask = None
+    try:
+        os.close(_state.pipe_w)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        sys.stdin = sys.__stdin__ = open(os.devnull)  # type: ignore[misc]
+    except OSError:
+        pass
 
 
 def deliver(token: int, answer: Answer) -> None:
@@ -112,25 +129,58 @@ def raw_read_waiting() -> bool:
     /dev/stdin opened again), not through sys.stdin? Then send it an ASK (once)."""
     if _state.send_ask is None or _state.raw_asked or _unread(_state.pipe_w):
         return False  # asked already, or the last answer is not read yet
+    every_thread = next(_looks) % 5 == 0
     try:
-        tasks = os.listdir("/proc/self/task") if next(_looks) % 5 == 0 else [str(_state.reader_tid)]
+        tasks = os.listdir("/proc/self/task") if every_thread else [str(_state.reader_tid)]
     except OSError:
         return False
-    for tid in tasks:
+    if any(_reads_our_pipe("self", tid) for tid in tasks):
+        _state.raw_asked = True
+        return True
+    if every_thread and _a_child_reads_our_pipe():
+        # A program it started (subprocess, os.system) inherited fd 0: end of file for it, as
+        # /dev/null gave every child of a rank before; the user answers only the rank itself.
+        _end_raw_read()
+    return False
+
+
+def _reads_our_pipe(pid: str, tid: str) -> bool:
+    """Is thread ``tid`` of ``pid`` blocked in read() on our stdin pipe?"""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/syscall") as f:
+            fields = f.read().split()
+        if len(fields) < 2 or fields[0] != _SYSCALL_READ:
+            return False
+        return os.readlink(f"/proc/{pid}/fd/{int(fields[1], 16)}") == _state.pipe_inode
+    except (OSError, ValueError):
+        return False
+
+
+def _a_child_reads_our_pipe() -> bool:
+    """Does a process below this one (at any depth) block reading our stdin pipe?"""
+    stack, seen = [str(os.getpid())], set()
+    while stack:
+        pid = stack.pop()
         try:
-            with open(f"/proc/self/task/{tid}/syscall") as f:
-                fields = f.read().split()
+            tasks = os.listdir(f"/proc/{pid}/task")
         except OSError:
             continue
-        if len(fields) < 2 or fields[0] != _SYSCALL_READ:
-            continue
-        try:
-            target = os.readlink(f"/proc/self/fd/{int(fields[1], 16)}")
-        except (OSError, ValueError):
-            continue
-        if target == _state.pipe_inode:
-            _state.raw_asked = True
-            return True
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    kids = f.read().split()
+            except OSError:
+                continue
+            for kid in kids:
+                if kid in seen:
+                    continue
+                seen.add(kid)
+                stack.append(kid)
+                try:
+                    if any(_reads_our_pipe(kid, t) for t in os.listdir(f"/proc/{kid}/task")):
+                        return True
+                except OSError:
+                    continue
     return False
 
 
