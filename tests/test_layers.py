@@ -38,53 +38,52 @@ import pytest
 PACKAGE = "mpify_nb"
 SRC = Path(__file__).resolve().parent.parent / "src" / PACKAGE
 
-#: module -> layer. Lower layers know nothing of higher ones. Read from the bottom up:
-#: 0 what everything may use (framing, errors, the library state of torch and friends);
-#: 1 packing a call, relaying output, the rendezvous helpers, a rank's displays;
-#: 2 the process of a rank (rank, session_rank) and the one every rank is forked from
-#:   (template, preload);
-#: 3 where ranks start (placement, and ray_ranks/ that registers a placer with it);
-#: 4 the callers: ranch() (launcher), Session, in_torchddp (ddp), @distributed, import_star;
-#: 5 the magics and the package's front door.
+#: module -> layer: a module imports only modules of its own layer or lower ones. From the bottom:
 LAYERS: dict[str, int] = {
-    # 0: the floor
-    "wire": 0,
+    # 0: what anything may use: framing, errors, this process and what it started, torch's
+    #    process groups, what training libraries expect, the stop button, a rank's displays
     "errors": 0,
+    "wire": 0,
+    "process": 0,
+    "groups": 0,
     "libraries": 0,
     "interrupts": 0,
     "rank_display": 0,
     "rank_mpl_backend": 0,
-    # 1: what calls are made of
+    # 1: what a call is made of: its payload, its relayed output; what the template preloads
     "payload": 1,
     "relay": 1,
-    "rendezvous": 1,
-    # 2: the processes: a rank, a persistent rank, the template they are forked from
-    "rank": 2,
+    "preload": 1,
+    # 2, 3: a rank's process: a Session's rank serves requests (session_rank), a rank of any
+    #    kind starts in rank.main, which hands a Session's rank over to session_rank.serve
     "session_rank": 2,
-    "preload": 2,
-    "template": 2,
-    # 3: where a rank starts
-    "placement": 3,
-    "ray_ranks": 3,
-    "ray_ranks.link": 3,
-    "ray_ranks.worker": 3,
-    "ray_ranks.handle": 3,
-    "ray_ranks.client": 3,
-    "ray_ranks.placer": 3,
-    # 4: the calls
-    "launcher": 4,
-    "session": 4,
-    "ddp": 4,
-    "decorator": 4,
-    "imports": 4,
-    # 5: the notebook's front: magics and the package itself
-    "magics": 5,
-    "magics.cells": 5,
-    "magics.auto": 5,
-    "magics.onrank": 5,
-    "magics.ranch": 5,
-    "magics.session": 5,
-    PACKAGE: 5,
+    "rank": 3,
+    # 4: the warm process ranks are forked from (it runs rank.main in each fork)
+    "template": 4,
+    # 5: where a rank starts: the seam, and the Ray placement that registers itself with it
+    "placement": 5,
+    "ray_ranks": 5,
+    "ray_ranks.link": 5,
+    "ray_ranks.worker": 5,
+    "ray_ranks.handle": 5,
+    "ray_ranks.client": 5,
+    "ray_ranks.placer": 5,
+    # 6: the calls: ranch() (launcher) and Session (session); one engine below both, later
+    "launcher": 6,
+    "session": 6,
+    # 7: what is built on them: in_torchddp, @distributed, import_star
+    "ddp": 7,
+    "decorator": 7,
+    "imports": 7,
+    # 8: the magics
+    "magics": 8,
+    "magics.cells": 8,
+    "magics.auto": 8,
+    "magics.onrank": 8,
+    "magics.ranch": 8,
+    "magics.session": 8,
+    # 9: the package's front door (re-exports, %load_ext, the "ray" placement's provider)
+    PACKAGE: 9,
 }
 
 

@@ -33,8 +33,8 @@ from .errors import PayloadError, RankError, RankExitedError, RankRaisedError
 from .imports import import_star
 from .launcher import ranch
 from .placement import get_placement, get_start_method, set_placement, set_start_method
-from .preload import set_preload
 from .session import RankStatus, Session
+from .template import set_preload
 
 __version__ = "0.1.0"
 
@@ -57,6 +57,13 @@ __all__ = [
     "placement",
     "set_preload",
 ]
+
+
+def _load_ray() -> None:
+    from . import ray_ranks  # noqa: F401  (registers the "ray" placement with placement.py)
+
+
+placement.provide_placement("ray", _load_ray)  # ray_ranks/ is imported the first time it is asked for
 
 
 def load_ipython_extension(ipython) -> None:

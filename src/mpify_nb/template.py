@@ -49,9 +49,9 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, Callable, NoReturn, Optional
+from typing import Any, Callable, NoReturn, Optional, Union
 
-from . import preload, wire
+from . import preload, process, wire
 
 _FORK, _FORKED, _EXITED, _READY, _HAS = "fork", "forked", "exited", "ready", "has"
 
@@ -75,15 +75,15 @@ def serve(control_fd: int) -> None:
             importlib.import_module(name)
         except Exception:
             pass
-    from . import rank  # imported now so each fork has it for free
+    from . import rank  # noqa: F401  (imported now so each fork has it for free)
 
-    rank.set_process_name("mpify_nb-tmpl")
+    process.set_process_name("mpify_nb-tmpl")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the caller decides when ranks stop
     control = socket.socket(fileno=control_fd)
     failed = _preload(control)
     # A rank killed before it could clean up leaves its children to us, not to init:
-    # _reap() then kills them (see rank.kill_descendants).
-    rank.become_subreaper()
+    # _reap() then kills them (see process.kill_descendants).
+    process.become_subreaper()
     # Everything imported so far is shared by every rank: keep the garbage collector off it.
     # Ranks then neither spend CPU scanning it nor copy its pages by touching GC headers.
     gc.collect()
@@ -96,7 +96,7 @@ def serve(control_fd: int) -> None:
     children: set[int] = set()
 
     def caller_gone() -> NoReturn:
-        rank.kill_descendants(reap=False)  # its ranks, and all they started, go with it
+        process.kill_descendants(reap=False)  # its ranks, and all they started, go with it
         os._exit(0)
 
     def reply(*message) -> None:
@@ -119,7 +119,7 @@ def serve(control_fd: int) -> None:
                 # Any child of ours that is not a rank was adopted from a rank that died: end
                 # it and its tree before reporting that rank's exit, so when a call is over
                 # nothing its ranks started is left.
-                rank.kill_descendants(spare=children, reap=False)
+                process.kill_descendants(spare=children, reap=False)
                 _reap(reply, children)
                 continue
             try:
@@ -572,6 +572,31 @@ def drop_preloaded() -> None:
         if _client is not None and _client.holds():
             _client.retire()
             _client = None
+
+
+def set_preload(modules: Union[bool, Sequence[str]] = True) -> None:
+    """Choose what the template that ranks are forked from holds, besides torch and numpy.
+
+    ``True`` (the default): the installed modules ranks imported in earlier calls and those
+    the notebook imported are preloaded by a fresh template, started in the background and
+    used from the first call after it is ready. A list of module names: those too, from now
+    on. ``False``: nothing more than torch and numpy (ranks import the rest on every call);
+    the next call starts from a template without anything preloaded.
+
+    Preloading never imports a module from the notebook's working directory or from outside
+    ``site-packages``/the standard library, and leaves out a module that fails to import, that
+    initializes CUDA or that starts a thread at import.
+
+    Example (a notebook cell)::
+
+        import mpify_nb
+        mpify_nb.set_preload(["transformers.trainer", "lightning"])  # ready before the first call
+        mpify_nb.set_preload(False)                                  # every call imports afresh
+    """
+    if preload.choose(modules):
+        refresh()  # named modules: start on them now
+    else:
+        drop_preloaded()
 
 
 def prewarm() -> None:
