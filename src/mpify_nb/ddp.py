@@ -13,6 +13,9 @@ Rendezvous: under ``ranch`` the TCPStore is hosted by a *spawned* rank
 the launcher kills the ranks, the store goes with them, and a caller blocked in
 ``init_process_group`` gets an error at once instead of waiting 30 minutes.
 Outside ``ranch`` it is the usual ``env://`` rendezvous.
+
+What ``ranch`` and a Session share with this module about groups (GPU ids, the store's
+listening socket, torch's group count) is in groups.py, below all three.
 """
 
 from __future__ import annotations

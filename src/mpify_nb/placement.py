@@ -17,7 +17,9 @@ Three placers:
 * ``SpawnPlacer``: each rank is a brand-new interpreter (``python -c``): seconds
   per call, since each imports torch, but it shares nothing with anything.
 * ``RayPlacer`` (ray_ranks/): ranks on the nodes of a Ray cluster, the caller
-  still a rank on its own node.
+  still a rank on its own node. This module does not import it: ray_ranks/ registers
+  ``"ray"`` (``register_placement``) when it is imported, and the package's ``__init__``
+  tells this module how to import it the first time it is asked for (``provide_placement``).
 
 On this machine choose with ``mpify_nb.set_start_method("template" | "spawn")`` or
 the environment variable ``MPIFY_NB_START_METHOD``; across machines with

@@ -18,6 +18,10 @@ caller relays. Then::
 
 A watchdog thread blocks on the channel: if the caller goes away (its end closes),
 the rank kills itself, so no rank outlives its caller.
+
+A rank of a Session (its setup says ``session``) goes on in ``session_rank.serve``
+instead. What every process of ours does for itself (its name, the orphans it adopts,
+leaving with nothing it started left behind) is in process.py.
 """
 
 from __future__ import annotations

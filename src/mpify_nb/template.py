@@ -22,7 +22,8 @@ itself from the call's setup message, so they are those of each call. The
 template is restarted when it died or when a variable that matters at import
 time (PYTHONPATH, LD_PRELOAD, thread counts...) changed since it started.
 
-Preloading (what to preload: preload.py). The first message a template gets names
+Preloading (what to preload: preload.py; ``set_preload`` here chooses it and acts on the
+template at once). The first message a template gets names
 modules to import before it serves forks. After a call, if the ranks or the notebook
 imported modules the current template lacks, a *candidate* template is started with
 all of them; the current one keeps serving meanwhile::
