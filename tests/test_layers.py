@@ -12,8 +12,8 @@ How an import statement reads:
 
 * ``from . import x`` / ``from mpify_nb import x``: module ``x`` when ``x`` is one (a file or
   a package next to it), else the package itself (``x`` is a name it defines);
-* ``from .x import y`` / ``from mpify_nb.x import y``: module ``x``, and module ``x.y`` too
-  when ``x`` is a package and ``y`` one of its modules;
+* ``from .x import y`` / ``from mpify_nb.x import y``: module ``x.y`` when ``x`` is a package
+  and ``y`` one of its modules, else module ``x`` (``y`` is a name it defines);
 * ``import mpify_nb.x.y``: module ``x.y``; ``import mpify_nb``: the top package;
 * a package's ``__init__`` that re-exports names of its modules imports those modules, like
   any other module.
