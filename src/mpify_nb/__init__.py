@@ -4,22 +4,28 @@ Spawn, execute, terminate: ``ranch(n, fn, *args)`` starts fresh ranks (the noteb
 itself is rank 0), runs ``fn`` on every rank, returns the results and leaves
 nothing running.
 
-Where things happen, by module:
+Where things happen, by module (each imports only modules of its own layer or lower ones,
+never round: tests/test_layers.py):
 
-==============  ===============================================================
-launcher.py     ranch(): the call from start to teardown, the watch over ranks
-interrupts.py   the stop button for calls on threads other than the main one
-session.py      Session: persistent ranks across calls (session_rank.py: their serve loop)
-payload.py      packing the call and the results (dill, shared-memory tensors)
-placement.py    where a rank starts (the seam): template fork, fresh spawn, or Ray (ray_ranks/)
-template.py     the warm process ranks are forked from
-preload.py      what the template comes to hold: the modules ranks need
-rank.py         what a rank does from birth to exit
-relay.py        where ranks' output is relayed into the cell
-errors.py       where errors come back: RankError and the remote traceback
-ddp.py          in_torchddp / TorchDDPCtx
-magics/         %%ranch, the session magics (``%load_ext mpify_nb``)
-==============  ===============================================================
+================  ===============================================================
+magics/           %%ranch, the session magics (``%load_ext mpify_nb``)
+ddp.py            in_torchddp / TorchDDPCtx
+launcher.py       ranch(): the call from start to teardown, the watch over ranks
+session.py        Session: persistent ranks across calls
+placement.py      where a rank starts (the seam): template fork, fresh spawn, or a placement
+                  registered with it (ray_ranks/ registers "ray"; this module tells placement
+                  how to import it when first asked)
+template.py       the warm process ranks are forked from; set_preload
+rank.py           what a rank does from birth to exit
+session_rank.py   the serve loop of a Session's rank
+preload.py        what the template comes to hold: the modules ranks need
+payload.py        packing the call and the results (dill, shared-memory tensors)
+relay.py          where ranks' output is relayed into the cell
+groups.py         torch.distributed groups: GPU ids, the store's socket, the group count
+process.py        what each of our processes does for itself: name, orphans, exit
+errors.py         where errors come back: RankError and the remote traceback
+interrupts.py     the stop button for calls on threads other than the main one
+================  ===============================================================
 """
 
 from __future__ import annotations
@@ -33,8 +39,8 @@ from .errors import PayloadError, RankError, RankExitedError, RankRaisedError
 from .imports import import_star
 from .launcher import ranch
 from .placement import get_placement, get_start_method, set_placement, set_start_method
-from .preload import set_preload
 from .session import RankStatus, Session
+from .template import set_preload
 
 __version__ = "0.1.0"
 
@@ -57,6 +63,13 @@ __all__ = [
     "placement",
     "set_preload",
 ]
+
+
+def _load_ray() -> None:
+    from . import ray_ranks  # noqa: F401  (registers the "ray" placement with placement.py)
+
+
+placement.provide_placement("ray", _load_ray)  # ray_ranks/ is imported the first time it is asked for
 
 
 def load_ipython_extension(ipython) -> None:

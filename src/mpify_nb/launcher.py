@@ -39,7 +39,7 @@ import time
 import weakref
 from typing import Any, Callable, Optional
 
-from . import ddp, interrupts, libraries, payload, placement, preload, prompts, template, wire
+from . import groups, interrupts, libraries, payload, placement, preload, prompts, template, wire
 from . import rank as rank_module
 from .errors import PayloadError, RankError, RankExitedError, RemoteFailure, safe_str
 from .relay import OutputRelay
@@ -753,14 +753,14 @@ class _CallerState:
                 self.dist_was_up = torch.distributed.is_available() and torch.distributed.is_initialized()
             except Exception:
                 pass
-        self.group_count = ddp.group_count() if torch is not None else None
+        self.group_count = groups.group_count() if torch is not None else None
         self.libraries = libraries.LibraryState.snapshot()
         return self
 
     def disarm_ended_ddp(self, values: list) -> None:
         """A DDP or FSDP model, DTensor or DeviceMesh made on the group this call ended, left in the
         notebook (a %%ranch --ddp cell's variable, or the caller's return value), must say so when
-        used (see ddp.py)."""
+        used (see groups.py)."""
         if self.environ is None or self.dist_was_up:
             return
         torch = sys.modules.get("torch")
@@ -768,7 +768,7 @@ class _CallerState:
             if torch is None or torch.distributed.is_initialized():
                 return  # the function left a group up: its models still work
             main = sys.modules.get("__main__")
-            ddp.disarm_ended_ddp([values, *(vars(main).values() if main is not None else ())])
+            groups.disarm_ended_ddp([values, *(vars(main).values() if main is not None else ())])
         except Exception:
             pass  # only a clearer error is lost
 
@@ -788,7 +788,7 @@ class _CallerState:
                     if dist.is_initialized():
                         dist.destroy_process_group()  # the function left its group up
                     if self.group_count is not None:
-                        ddp.set_group_count(self.group_count)  # e.g. after a failed rendezvous
+                        groups.set_group_count(self.group_count)  # e.g. after a failed rendezvous
             except Exception:
                 pass
             if self.cuda_device is not None:

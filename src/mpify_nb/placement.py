@@ -17,7 +17,9 @@ Three placers:
 * ``SpawnPlacer``: each rank is a brand-new interpreter (``python -c``): seconds
   per call, since each imports torch, but it shares nothing with anything.
 * ``RayPlacer`` (ray_ranks/): ranks on the nodes of a Ray cluster, the caller
-  still a rank on its own node.
+  still a rank on its own node. This module does not import it: ray_ranks/ registers
+  ``"ray"`` (``register_placement``) when it is imported, and the package's ``__init__``
+  tells this module how to import it the first time it is asked for (``provide_placement``).
 
 On this machine choose with ``mpify_nb.set_start_method("template" | "spawn")`` or
 the environment variable ``MPIFY_NB_START_METHOD``; across machines with
@@ -39,7 +41,7 @@ import sys
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 from . import template
 
@@ -63,11 +65,42 @@ def get_start_method() -> str:
     return _start_method
 
 
-# -- where ranks go: this machine, or a Ray cluster -----------------------------------------
+# -- where ranks go: this machine, or a cluster ------------------------------------------------
 
-PLACEMENTS = ("local", "ray")
+@dataclass(frozen=True)
+class Elsewhere:
+    """A placement beyond this machine (``"ray"``), as the module that provides it registers it
+    (:func:`register_placement`): this module knows none of them by itself."""
+
+    #: ``set_placement``'s options -> the options every later call uses (checked; may connect to a cluster)
+    make_options: Callable[..., Any]
+    #: those options -> the placer of one call
+    make_placer: Callable[[Any], Placer]
+    #: the placement ends: drop what it keeps between calls
+    leave: Callable[[], None]
+
+
 _placement: str = "local"
-_ray_options: Any = None  # ray_ranks.RayOptions while placement is "ray"
+_options: Any = None  # what the placement's make_options returned, while it is not "local"
+_elsewhere: dict[str, Elsewhere] = {}  # registered placements
+_providers: dict[str, Callable[[], None]] = {}  # placement -> imports the module that registers it
+
+
+def register_placement(kind: str, elsewhere: Elsewhere) -> None:
+    """Make ``set_placement(kind, ...)`` place ranks with ``elsewhere`` (ray_ranks/ registers
+    ``"ray"`` when it is imported)."""
+    _elsewhere[kind] = elsewhere
+
+
+def provide_placement(kind: str, load: Callable[[], None]) -> None:
+    """``set_placement(kind, ...)`` calls ``load()`` first when ``kind`` is not registered yet:
+    it imports the module that registers it (the package's ``__init__`` names ``"ray"`` this
+    way, so ray_ranks/ is imported only once it is asked for)."""
+    _providers[kind] = load
+
+
+def _kinds() -> tuple[str, ...]:
+    return ("local", *dict.fromkeys([*_providers, *_elsewhere]))
 
 
 def set_placement(kind: str = "local", **options: Any) -> None:
@@ -85,28 +118,27 @@ def set_placement(kind: str = "local", **options: Any) -> None:
     >>> mpify_nb.set_placement("ray", num_cpus=1)   # ranch(...) now places ranks on the cluster
     >>> mpify_nb.set_placement("local")             # back to this machine
     """
-    global _placement, _ray_options
-    if kind not in PLACEMENTS:
-        raise ValueError(f"placement must be one of {PLACEMENTS}, not {kind!r}")
+    global _placement, _options
+    if kind not in _kinds():
+        raise ValueError(f"placement must be one of {_kinds()}, not {kind!r}")
     if kind == "local":
         if options:
             raise TypeError(f"set_placement('local') takes no options, got {sorted(options)}")
-        _leave_ray()
-        _placement, _ray_options = "local", None
+        _leave()
+        _placement, _options = "local", None
         return
-    from . import ray_ranks
+    if kind not in _elsewhere:
+        _providers[kind]()
+    new_options = _elsewhere[kind].make_options(**options)  # checks them, connects to the cluster
+    _leave()
+    _placement, _options = kind, new_options
 
-    new_options = ray_ranks.RayOptions.make(**options)  # checks them, connects to the cluster
-    _leave_ray()
-    _placement, _ray_options = "ray", new_options
 
-
-def _leave_ray() -> None:
-    """What the Ray placement keeps between calls (under Ray Client, the actor that carries the
-    ranks' links) ends with it."""
-    ray_ranks = sys.modules.get(f"{__package__}.ray_ranks")
-    if ray_ranks is not None:
-        ray_ranks.drop_hub()
+def _leave() -> None:
+    """What a placement elsewhere keeps between calls (under Ray Client, the actor that carries
+    the ranks' links) ends with it."""
+    for elsewhere in list(_elsewhere.values()):
+        elsewhere.leave()
 
 
 def get_placement() -> str:
@@ -116,14 +148,14 @@ def get_placement() -> str:
 
 @contextlib.contextmanager
 def _placement_block(kind: str, **options: Any) -> Iterator[None]:
-    global _placement, _ray_options
-    saved = (_placement, _ray_options)
+    global _placement, _options
+    saved = (_placement, _options)
     set_placement(kind, **options)
     try:
         yield
     finally:
-        _leave_ray()
-        _placement, _ray_options = saved
+        _leave()
+        _placement, _options = saved
 
 
 class _CallableModule(types.ModuleType):
@@ -243,10 +275,8 @@ class Placer(Protocol):
 
 
 def get_placer() -> Placer:
-    if _placement == "ray":
-        from . import ray_ranks
-
-        return ray_ranks.RayPlacer(_ray_options)
+    if _placement != "local":
+        return _elsewhere[_placement].make_placer(_options)
     if _start_method not in START_METHODS:
         raise ValueError(f"MPIFY_NB_START_METHOD must be one of {START_METHODS}, not {_start_method!r}")
     return TemplatePlacer() if _start_method == "template" else SpawnPlacer()

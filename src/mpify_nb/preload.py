@@ -20,7 +20,7 @@ the notebook for free. So the template comes to hold them too::
 The current call never waits for it. Only modules installed under a ``site-packages``
 (or ``dist-packages``) directory or in the standard library are ever preloaded, never a
 module from the notebook's working directory (the user edits those; a rank must import
-their current version). Names given with :func:`set_preload` are preloaded too.
+their current version). Names given with ``set_preload`` (template.py) are preloaded too.
 
 Turn it off with ``set_preload(False)`` or ``MPIFY_NB_PRELOAD=0``; name modules with
 ``set_preload(["transformers.trainer"])`` or ``MPIFY_NB_PRELOAD=transformers.trainer,lightning``.
@@ -55,25 +55,9 @@ _learned: dict[str, None] = {}   # imported by ranks in earlier calls, in import
 _failed: dict[str, str] = {}     # name -> why it was left out (import error, CUDA, threads)
 
 
-def set_preload(modules: Union[bool, Sequence[str]] = True) -> None:
-    """Choose what the template that ranks are forked from holds, besides torch and numpy.
-
-    ``True`` (the default): the installed modules ranks imported in earlier calls and those
-    the notebook imported are preloaded by a fresh template, started in the background and
-    used from the first call after it is ready. A list of module names: those too, from now
-    on. ``False``: nothing more than torch and numpy (ranks import the rest on every call);
-    the next call starts from a template without anything preloaded.
-
-    Preloading never imports a module from the notebook's working directory or from outside
-    ``site-packages``/the standard library, and leaves out a module that fails to import, that
-    initializes CUDA or that starts a thread at import.
-
-    Example (a notebook cell)::
-
-        import mpify_nb
-        mpify_nb.set_preload(["transformers.trainer", "lightning"])  # ready before the first call
-        mpify_nb.set_preload(False)                                  # every call imports afresh
-    """
+def choose(modules: Union[bool, Sequence[str]] = True) -> bool:
+    """Record what :func:`~mpify_nb.template.set_preload` was given (on, off, or names to add);
+    True when preloading is on."""
     global _enabled
     if isinstance(modules, bool):
         with _lock:
@@ -87,12 +71,7 @@ def set_preload(modules: Union[bool, Sequence[str]] = True) -> None:
             for name in names:
                 if name not in _named:
                     _named.append(name)
-    from . import template
-
-    if _enabled:
-        template.refresh()  # named modules: start on them now
-    else:
-        template.drop_preloaded()
+    return _enabled
 
 
 def enabled() -> bool:

@@ -18,11 +18,14 @@ caller relays. Then::
 
 A watchdog thread blocks on the channel: if the caller goes away (its end closes),
 the rank kills itself, so no rank outlives its caller.
+
+A rank of a Session (its setup says ``session``) goes on in ``session_rank.serve``
+instead. What every process of ours does for itself (its name, the orphans it adopts,
+leaving with nothing it started left behind) is in process.py.
 """
 
 from __future__ import annotations
 
-import ctypes
 import faulthandler
 import io
 import os
@@ -32,12 +35,9 @@ import signal
 import socket
 import sys
 import threading
-import time
 import types
-from collections.abc import Collection
-from typing import NoReturn, Optional
 
-from . import payload, rank_stdin, wire
+from . import payload, process, rank_stdin, wire
 from .errors import RemoteFailure, safe_str
 
 READY = b"R"
@@ -54,13 +54,13 @@ _born_with: set[str] = set()
 
 def main(channel_fd: int, expected_parent: int) -> None:
     """Run one rank to completion on the socket ``channel_fd``; never returns."""
-    _die_with_parent(expected_parent)
+    process.die_with_parent(expected_parent)
     _born_with.update(sys.modules)
     # Whatever the user's code starts (subprocesses, DataLoader workers, daemons that fork
     # twice) stays below this process: orphans are re-parented to us, not to init, so
-    # _exit() finds and kills them all. A process group of its own lets the caller kill
+    # process.end() finds and kills them all. A process group of its own lets the caller kill
     # what is left if we are killed before we can.
-    become_subreaper()
+    process.become_subreaper()
     try:
         os.setpgid(0, 0)
     except OSError:
@@ -75,7 +75,7 @@ def main(channel_fd: int, expected_parent: int) -> None:
             os._exit(1)  # the caller gave up before sending anything
         config = pickle.loads(setup[0])
         rank = config["rank"]
-        set_process_name(f"mpify_nb-rank{rank}")
+        process.set_process_name(f"mpify_nb-rank{rank}")
         _apply(config)
         if config.get("session"):  # a persistent rank of a Session: serve requests until closed
             from .session_rank import serve
@@ -96,10 +96,10 @@ def main(channel_fd: int, expected_parent: int) -> None:
             setup_hook()
     except BaseException as e:
         _send_failure(channel, e, f"rank {rank} could not load the call")
-        _exit(0)
+        process.end(0)
     wire.send(channel, READY)
     if wire.recv(channel) is None:  # no GO: the caller gave up (another rank failed to load)
-        _exit(0)
+        process.end(0)
     rank_stdin.install(lambda token: _send(channel, ASK + pickle.dumps(token)))
     rank_stdin.install_breakpointhook()
     threading.Thread(target=_watch_caller, args=(channel,), name="mpify_nb-watchdog", daemon=True).start()
@@ -115,22 +115,22 @@ def main(channel_fd: int, expected_parent: int) -> None:
                     # would make the peers fail ("Connection closed by peer"), and their
                     # echo could reach the caller before this, the root cause.
                     _send_failure(channel, e)
-                    _exit(0)
+                    process.end(0)
     except BaseException as e:
         _send_failure(channel, e)
-        _exit(0)
+        process.end(0)
     try:
         data, fds = payload.pack_result(value)
     except BaseException as e:
         _send_failure(channel, e, f"the value returned by rank {rank} ({type(value).__name__}) cannot be pickled")
-        _exit(0)
-    _flush_stdio()  # everything printed reaches the caller before the value does
+        process.end(0)
+    process.flush_stdio()  # everything printed reaches the caller before the value does
     _report_imports(channel)
     try:
         _send(channel, VALUE + data, fds)
     except OSError:
         pass  # the caller is gone; nothing to report to
-    _exit(0)
+    process.end(0)
 
 
 def _apply(config: dict) -> None:
@@ -162,7 +162,7 @@ def _send_failure(channel, exc: BaseException, context: str = "") -> None:
         except RuntimeError as wrapped:
             exc = wrapped
     failure = RemoteFailure.capture(exc, lambda e: payload.dumps(e)[0])
-    _flush_stdio()
+    process.flush_stdio()
     _report_imports(channel)
     try:
         _send(channel, ERROR + pickle.dumps(failure))
@@ -206,95 +206,9 @@ def _watch_caller(channel: socket.socket) -> None:
     except (OSError, EOFError):
         pass
     # The caller closed its end: it is gone, or it gave up on this call.
-    _flush_stdio()
-    kill_descendants()
+    process.flush_stdio()
+    process.kill_descendants()
     os.kill(os.getpid(), signal.SIGKILL)
-
-
-def become_subreaper() -> None:
-    """Orphans below this process are re-parented to it, not to init (PR_SET_CHILD_SUBREAPER)."""
-    _prctl(36, 1)
-
-
-def children_of(pid: int) -> list[int]:
-    """The live children of ``pid`` (zombies excluded: they hold nothing)."""
-    kids: list[int] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return kids
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
-                kids.extend(int(k) for k in f.read().split())
-        except OSError:
-            continue
-    return [k for k in kids if _state(k) not in (b"Z", b"X", None)]
-
-
-def _state(pid: int) -> Optional[bytes]:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return stat[stat.rfind(b")") + 2:].split(b" ", 1)[0]
-
-
-def kill_descendants(pid: Optional[int] = None, spare: Collection[int] = (), reap: bool = True) -> list[int]:
-    """SIGKILL every live process below ``pid`` (default: this one), at any depth, except
-    the subtrees rooted at ``spare``; return the pids killed. Looks again until nothing is
-    left, since a process may fork while we look. ``reap``: also reap this process's
-    zombie children (only where no one else waits for them: a rank about to exit)."""
-    root = os.getpid() if pid is None else pid
-    killed: list[int] = []
-    for _ in range(50):
-        found, stack = [], [k for k in children_of(root) if k not in spare]
-        while stack:
-            p = stack.pop()
-            found.append(p)
-            stack.extend(children_of(p))
-        if not found:
-            break
-        for p in found:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        killed.extend(p for p in found if p not in killed)
-        time.sleep(0.001)  # let the kills land before looking again
-    if reap:
-        _reap_orphans()
-    return killed
-
-
-def _reap_orphans() -> None:
-    # Killed descendants re-parented to us (we are a subreaper) are our zombies now.
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-
-
-def _prctl(option: int, arg) -> bool:
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl(option, arg) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def _die_with_parent(expected_parent: int) -> None:
-    """Ask Linux to SIGKILL us when our parent (caller or template) dies."""
-    if _prctl(1, signal.SIGKILL) and os.getppid() != expected_parent:  # PR_SET_PDEATHSIG
-        os._exit(1)  # it died before prctl took effect
-
-
-def set_process_name(name: str) -> None:
-    """Name this process in ps/top (comm, 15 bytes), so ranks are easy to tell apart."""
-    _prctl(15, ctypes.c_char_p(name.encode()[:15]))  # PR_SET_NAME
 
 
 def _line_buffered_stdio() -> None:
@@ -310,20 +224,6 @@ def _line_buffered_stdio() -> None:
         )
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
-
-
-def _flush_stdio() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-
-
-def _exit(code: int) -> NoReturn:
-    _flush_stdio()
-    kill_descendants()  # nothing this rank started outlives it
-    os._exit(code)
 
 
 if __name__ == "__main__":  # the spawn path: python -c "...main(fd, ppid)"

@@ -66,7 +66,6 @@ from typing import Any, Callable, Optional, Union
 
 from . import interrupts, payload, placement, prompts, wire
 from . import session_rank as proto
-from .ddp import _listen_on, _parse_gpus
 from .errors import (
     CollectiveError,
     PayloadError,
@@ -77,6 +76,7 @@ from .errors import (
     merge_rank_errors,
     source_location,
 )
+from .groups import listen_on, parse_gpus
 from .relay import OutputRelay
 from .waits import Wait
 
@@ -182,7 +182,7 @@ class Session:
         self.world_size = n
         self.ddp = bool(ddp)
         self.timeout = timeout
-        self._gpus = _parse_gpus(gpus)
+        self._gpus = parse_gpus(gpus)
         if self._gpus is not None and len(self._gpus) < n:
             raise ValueError(f"gpus={self._gpus} names {len(self._gpus)} GPUs for {n} ranks: give one per rank")
         self._local = placement.get_placement() == "local"
@@ -454,7 +454,7 @@ class Session:
         # The store lives in the host rank, on its node's address (127.0.0.1 on this machine).
         listener = None
         if self.ddp and self._local:  # bound here, handed to the host: no rank has to retry
-            listener = _listen_on(self._layout.nodes[host], 0, self.world_size * 2)
+            listener = listen_on(self._layout.nodes[host], 0, self.world_size * 2)
             port = listener.getsockname()[1]
         else:  # on a Ray node the host binds it itself
             port = placer.store_port() if self.ddp else 0

@@ -44,7 +44,7 @@ import threading
 import time
 from typing import Any, NoReturn, Optional
 
-from . import payload, rank_display, rank_stdin, waits, wire
+from . import groups, payload, process, rank_display, rank_stdin, waits, wire
 from .errors import RemoteFailure, safe_str
 
 # -- the protocol (both directions: a kind byte, a request id, a body) ----------------------
@@ -87,8 +87,6 @@ class _State:
 
 def serve(channel: socket.socket, config: dict, fds: list[int]) -> NoReturn:
     """Serve requests on ``channel`` until the caller goes away; never returns."""
-    from . import rank as rank_module
-
     control = socket.socket(fileno=fds[0])
     listen_fd = fds[1] if len(fds) > 1 else None
     session = config["session"]
@@ -108,11 +106,11 @@ def serve(channel: socket.socket, config: dict, fds: list[int]) -> NoReturn:
         reply = pack(FAIL, NO_REQUEST, pickle.dumps((_capture(e), False, {})))
     _send(channel, reply)
     if not ready:
-        rank_module._exit(1)
+        process.end(1)
     while True:
         message = wire.recv(channel)
         if message is None:
-            rank_module._exit(0)  # the caller closed the session
+            process.end(0)  # the caller closed the session
         data, message_fds = message
         kind, req_id, body = unpack(data)
         with state.lock:
@@ -121,7 +119,7 @@ def serve(channel: socket.socket, config: dict, fds: list[int]) -> NoReturn:
         reply, reply_fds = _handle(kind, req_id, body, message_fds, namespace, state, channel)
         with state.lock:
             state.request = NO_REQUEST
-        rank_module._flush_stdio()  # what the request printed reaches the caller before its answer
+        process.flush_stdio()  # what the request printed reaches the caller before its answer
         _flush_c_stdio()
         _send(channel, reply, reply_fds)
         payload.close_fds(reply_fds)
@@ -200,15 +198,13 @@ def _init_group(rendezvous: tuple[str, int, bool], listen_fd: Optional[int]) -> 
     import torch.distributed as dist
     from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
-    from .ddp import _listen_on
-
     addr, port, hosts_store = rendezvous
     rank, world = _group["rank"], _group["world_size"]
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
     timeout = datetime.timedelta(seconds=_RENDEZVOUS_TIMEOUT)
     if hosts_store:
         if listen_fd is None:
-            listen_fd = _listen_on(addr, port, world * 2).detach()
+            listen_fd = groups.listen_on(addr, port, world * 2).detach()
         store = TCPStore(addr, port, world, is_master=True, wait_for_workers=False, timeout=timeout,
                          master_listen_fd=listen_fd)
     else:
@@ -517,9 +513,7 @@ def _control_loop(control: socket.socket, state: _State) -> None:
 
 
 def _caller_gone() -> NoReturn:
-    from . import rank as rank_module
-
-    rank_module._flush_stdio()
-    rank_module.kill_descendants()
+    process.flush_stdio()
+    process.kill_descendants()
     os.kill(os.getpid(), signal.SIGKILL)
     raise SystemExit  # not reached

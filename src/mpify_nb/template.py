@@ -22,7 +22,8 @@ itself from the call's setup message, so they are those of each call. The
 template is restarted when it died or when a variable that matters at import
 time (PYTHONPATH, LD_PRELOAD, thread counts...) changed since it started.
 
-Preloading (what to preload: preload.py). The first message a template gets names
+Preloading (what to preload: preload.py; ``set_preload`` here chooses it and acts on the
+template at once). The first message a template gets names
 modules to import before it serves forks. After a call, if the ranks or the notebook
 imported modules the current template lacks, a *candidate* template is started with
 all of them; the current one keeps serving meanwhile::
@@ -49,9 +50,9 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, Callable, NoReturn, Optional
+from typing import Any, Callable, NoReturn, Optional, Union
 
-from . import preload, wire
+from . import preload, process, wire
 
 _FORK, _FORKED, _EXITED, _READY, _HAS = "fork", "forked", "exited", "ready", "has"
 
@@ -75,15 +76,15 @@ def serve(control_fd: int) -> None:
             importlib.import_module(name)
         except Exception:
             pass
-    from . import rank  # imported now so each fork has it for free
+    from . import rank  # noqa: F401  (imported now so each fork has it for free)
 
-    rank.set_process_name("mpify_nb-tmpl")
+    process.set_process_name("mpify_nb-tmpl")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the caller decides when ranks stop
     control = socket.socket(fileno=control_fd)
     failed = _preload(control)
     # A rank killed before it could clean up leaves its children to us, not to init:
-    # _reap() then kills them (see rank.kill_descendants).
-    rank.become_subreaper()
+    # _reap() then kills them (see process.kill_descendants).
+    process.become_subreaper()
     # Everything imported so far is shared by every rank: keep the garbage collector off it.
     # Ranks then neither spend CPU scanning it nor copy its pages by touching GC headers.
     gc.collect()
@@ -96,7 +97,7 @@ def serve(control_fd: int) -> None:
     children: set[int] = set()
 
     def caller_gone() -> NoReturn:
-        rank.kill_descendants(reap=False)  # its ranks, and all they started, go with it
+        process.kill_descendants(reap=False)  # its ranks, and all they started, go with it
         os._exit(0)
 
     def reply(*message) -> None:
@@ -119,7 +120,7 @@ def serve(control_fd: int) -> None:
                 # Any child of ours that is not a rank was adopted from a rank that died: end
                 # it and its tree before reporting that rank's exit, so when a call is over
                 # nothing its ranks started is left.
-                rank.kill_descendants(spare=children, reap=False)
+                process.kill_descendants(spare=children, reap=False)
                 _reap(reply, children)
                 continue
             try:
@@ -572,6 +573,31 @@ def drop_preloaded() -> None:
         if _client is not None and _client.holds():
             _client.retire()
             _client = None
+
+
+def set_preload(modules: Union[bool, Sequence[str]] = True) -> None:
+    """Choose what the template that ranks are forked from holds, besides torch and numpy.
+
+    ``True`` (the default): the installed modules ranks imported in earlier calls and those
+    the notebook imported are preloaded by a fresh template, started in the background and
+    used from the first call after it is ready. A list of module names: those too, from now
+    on. ``False``: nothing more than torch and numpy (ranks import the rest on every call);
+    the next call starts from a template without anything preloaded.
+
+    Preloading never imports a module from the notebook's working directory or from outside
+    ``site-packages``/the standard library, and leaves out a module that fails to import, that
+    initializes CUDA or that starts a thread at import.
+
+    Example (a notebook cell)::
+
+        import mpify_nb
+        mpify_nb.set_preload(["transformers.trainer", "lightning"])  # ready before the first call
+        mpify_nb.set_preload(False)                                  # every call imports afresh
+    """
+    if preload.choose(modules):
+        refresh()  # named modules: start on them now
+    else:
+        drop_preloaded()
 
 
 def prewarm() -> None:

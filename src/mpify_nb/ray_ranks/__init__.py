@@ -38,10 +38,17 @@ One module per job: ``placer`` (reserve, start, release: the caller's side),
 ``handle`` (the caller's handle on one rank, bridging its channel to its link),
 ``worker`` (the Ray task on the node), ``link`` (the frames both sides speak),
 ``client`` (under Ray Client, the hub actor the links go through).
+
+Importing this package registers ``"ray"`` with placement.py (``register_placement``); the
+package's ``__init__`` has placement import it the first time ``set_placement("ray")`` is
+called, so nothing here is imported before.
 """
 
+from .. import placement
 from .client import drop_hub
 from .link import interface_of
 from .placer import RayOptions, RayPlacer, connect
+
+placement.register_placement("ray", placement.Elsewhere(RayOptions.make, RayPlacer, drop_hub))
 
 __all__ = ["RayOptions", "RayPlacer", "connect", "drop_hub", "interface_of"]

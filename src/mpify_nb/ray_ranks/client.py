@@ -9,14 +9,11 @@ import os
 import secrets
 import socket
 import threading
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
-from .handle import KILL_GRACE
+from .handle import KILL_GRACE, Host
 from .link import accept_links, read_hello, shut
 from .worker import HUB_ENV
-
-if TYPE_CHECKING:
-    from .placer import RayPlacer
 
 
 class _Hub:
@@ -137,14 +134,14 @@ class Tunnel:
     """The notebook's side of the hub for one call: each rank's link is one end of a socketpair
     here, the rank's handle holding the other as if it were the TCP link."""
 
-    def __init__(self, placer: RayPlacer):
+    def __init__(self, placer: Host):
         self._placer = placer
-        self._ray = placer._ray
-        self._token = placer._token
+        self._ray = placer.ray
+        self._token = placer.token
         self.hub, self.address = _the_hub(self._ray)
         self._ray.get(self.hub.open.remote(self._token))
         self._ends: dict[int, socket.socket] = {}
-        placer._spawn(self._downstream, "mpify_nb-ray-hub")
+        placer.spawn(self._downstream, "mpify_nb-ray-hub")
 
     def _downstream(self) -> None:
         """Hub -> ranks' handles: links attached, their bytes, their ends."""
@@ -160,15 +157,15 @@ class Tunnel:
             for kind, rank, value in events:
                 if kind == "hello":
                     ours, theirs = socket.socketpair()
-                    with self._placer._lock:
-                        handle = self._placer._ranks.get(rank)
+                    with self._placer.lock:
+                        handle = self._placer.ranks.get(rank)
                     if handle is None or not handle.attach(theirs, value):
                         ours.close()
                         theirs.close()
                         self.hub.close.remote(self._token, rank)
                         continue
                     self._ends[rank] = ours
-                    self._placer._spawn(self._upstream, f"mpify_nb-ray-hub{rank}", rank, ours)
+                    self._placer.spawn(self._upstream, f"mpify_nb-ray-hub{rank}", rank, ours)
                 elif rank in self._ends:
                     try:
                         if kind == "data":

@@ -8,16 +8,31 @@ import pickle
 import socket
 import struct
 import threading
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Callable, Optional, Protocol
 
 from .. import payload, wire
 from .link import deliver, frames, send_frame, send_message, write_all
 
-if TYPE_CHECKING:
-    from .placer import RayPlacer
-
 #: Seconds a killed rank's worker has to confirm it is gone before Ray kills the worker.
 KILL_GRACE = 3.0
+
+
+class Host(Protocol):
+    """What a rank's handle, and the hub's Tunnel (client.py), need of the ``RayPlacer`` that
+    made them (placer.py, which imports them, is the one that does all this)."""
+
+    ray: Any  # the ray module
+    token: bytes  # the call's secret: the first bytes on every link
+    lock: threading.Lock  # held while ``ranks`` changes
+    ranks: dict[int, RayRank]  # the call's ranks placed by Ray, by rank
+
+    def spawn(self, target: Callable[..., Any], name: str, *args: Any) -> None:
+        """Run ``target(*args)`` on a daemon thread called ``name``."""
+        ...
+
+    def submit(self, handle: RayRank, setup: bytes | bytearray, call: bytes | bytearray, fds: list[int]) -> Any:
+        """Start ``handle``'s rank on its bundle; return the Ray task's ObjectRef."""
+        ...
 
 
 class RayRank:
@@ -27,7 +42,7 @@ class RayRank:
     death_latency = 1.0
     shares_clock = False  # its errors' timestamps come from another host's clock
 
-    def __init__(self, placer: RayPlacer, rank: int, node: str, channel_fd: int, stdout_fd: int, stderr_fd: int):
+    def __init__(self, placer: Host, rank: int, node: str, channel_fd: int, stdout_fd: int, stderr_fd: int):
         self.placer = placer
         self.rank = rank
         self.node = node
@@ -69,15 +84,15 @@ class RayRank:
                 return  # the launcher gave up before sending the call
             self._lent = call[1]  # open until the rank ends: its worker may map them (see submit)
             self._task = self.placer.submit(self, setup[0], call[0], call[1])
-            self.placer._spawn(self._watch_task, f"mpify_nb-ray-task{self.rank}")
+            self.placer.spawn(self._watch_task, f"mpify_nb-ray-task{self.rank}")
             with self._cond:
                 self._cond.wait_for(lambda: self._link is not None or self._killed or self.ended.is_set())
                 link = self._link
             if link is None:
                 return
-            self.placer._spawn(self._from_rank, f"mpify_nb-ray-from{self.rank}", link)
+            self.placer.spawn(self._from_rank, f"mpify_nb-ray-from{self.rank}", link)
             if self._control is not None:
-                self.placer._spawn(self._control_to_rank, f"mpify_nb-ray-control{self.rank}", link, self._control)
+                self.placer.spawn(self._control_to_rank, f"mpify_nb-ray-control{self.rank}", link, self._control)
             while True:  # launcher -> rank
                 message = wire.recv(self._channel)
                 if message is None:
@@ -132,7 +147,7 @@ class RayRank:
             self._signal_death()  # the launcher learns now; exit_code() and death_detail() wait for Ray
             detail = "its link to the caller broke: its Ray worker or its node died"
             try:  # Ray may already know which (it learns of a dead node later: not worth waiting for)
-                self.placer._ray.get(self._task, timeout=0.5)
+                self.placer.ray.get(self._task, timeout=0.5)
             except Exception as e:
                 if type(e).__name__ != "GetTimeoutError":
                     detail = _explain(e, self.node)
@@ -140,7 +155,7 @@ class RayRank:
 
     def _watch_task(self) -> None:
         """The task's own end: how a worker or node that died, or a task that never started, is seen."""
-        ray = self.placer._ray
+        ray = self.placer.ray
         detail = ""
         try:
             ray.get(self._task)
@@ -209,7 +224,7 @@ class RayRank:
             self._end("")
 
     def _make_sure(self, task: Any) -> None:
-        ray = self.placer._ray
+        ray = self.placer.ray
         done, _ = ray.wait([task], timeout=KILL_GRACE)
         if not done:  # a worker that does not answer: Ray kills the worker process
             try:

@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .. import placement
 from .client import Tunnel
@@ -102,7 +102,7 @@ class RayPlacer:
     ships_environ = False  # a rank on another node keeps its node's environment
 
     def __init__(self, options: RayOptions):
-        self._ray = import_ray()
+        self.ray = import_ray()
         self.options = options
         self._pg: Any = None
         self._pg_free_before: dict[str, float] = {}
@@ -110,18 +110,18 @@ class RayPlacer:
         self._node_id_of: dict[int, str] = {}  # rank -> Ray node id
         self._layout: Optional[placement.Layout] = None
         self._here = ""  # the caller's node address
-        self._token = secrets.token_bytes(32)
+        self.token = secrets.token_bytes(32)
         self._listener: Optional[socket.socket] = None
         self._tunnel: Optional[Tunnel] = None  # under Ray Client, instead of the listener
-        self._ranks: dict[int, RayRank] = {}
-        self._lock = threading.Lock()
+        self.ranks: dict[int, RayRank] = {}
+        self.lock = threading.Lock()
         self._puts: dict[tuple, Any] = {}  # the (st_dev, st_ino) of a call's memfds -> their ObjectRef
         self._released = False
 
     # -- reserve ---------------------------------------------------------------------------
 
     def reserve(self, nprocs: int, caller_rank: Optional[int], timeout: Optional[float]) -> placement.Layout:
-        ray = self._ray
+        ray = self.ray
         connect(self.options.address)
         from ray.util.placement_group import placement_group, placement_group_table
 
@@ -142,7 +142,7 @@ class RayPlacer:
             _wait_for_last_release(bundle)
             self._pg_free_before = {k: float(v) for k, v in ray.available_resources().items()}
             self._pg = placement_group([dict(bundle) for _ in others], strategy=self.options.strategy,
-                                       name=f"mpify_nb-{os.getpid()}-{self._token[:4].hex()}")
+                                       name=f"mpify_nb-{os.getpid()}-{self.token[:4].hex()}")
             patience = _PLACEMENT_PATIENCE if timeout is None else timeout
             ready, _ = ray.wait([self._pg.ready()], timeout=patience)
             if not ready:
@@ -172,11 +172,11 @@ class RayPlacer:
                 self._tunnel = Tunnel(self)
             else:
                 self._listen(here)
-            self._spawn(self._watch_nodes, "mpify_nb-ray-nodes")
+            self.spawn(self._watch_nodes, "mpify_nb-ray-nodes")
         return self._layout
 
     def _node_addresses(self) -> dict[str, str]:
-        return {n["NodeID"]: n["NodeManagerAddress"] for n in self._ray.nodes()}
+        return {n["NodeID"]: n["NodeManagerAddress"] for n in self.ray.nodes()}
 
     def store_port(self) -> int:
         return _store_port(self._here)
@@ -191,11 +191,11 @@ class RayPlacer:
         while True:
             table = placement_group_table(self._pg)
             node = table["bundles_to_node_id"].get(self._bundle_of[rank])
-            alive = {n["NodeID"] for n in self._ray.nodes() if n.get("Alive")}
+            alive = {n["NodeID"] for n in self.ray.nodes() if n.get("Alive")}
             if table.get("state") == "CREATED" and node in alive:
                 break
             if time.monotonic() > deadline:
-                free = _rounded(self._ray.available_resources())
+                free = _rounded(self.ray.available_resources())
                 raise TimeoutError(f"Ray found no node for rank {rank} again within {_PLACEMENT_PATIENCE:g} s "
                                    f"(its node left the cluster); free now: {free}")
             time.sleep(0.2)
@@ -208,21 +208,21 @@ class RayPlacer:
         for Ray to find its bundle a new node, for ever."""
         while not self._released:
             time.sleep(_NODE_CHECK)
-            if not self._ray.is_initialized():
+            if not self.ray.is_initialized():
                 return  # ray.shutdown() by the user: asking now would join a new cluster
             try:
-                alive = {n["NodeID"] for n in self._ray.nodes() if n.get("Alive")}
+                alive = {n["NodeID"] for n in self.ray.nodes() if n.get("Alive")}
             except Exception:
                 continue
-            with self._lock:
-                handles = list(self._ranks.values())
+            with self.lock:
+                handles = list(self.ranks.values())
             for handle in handles:
                 if not handle.ended.is_set() and self._node_id_of.get(handle.rank) not in alive:
                     handle.node_left()
 
     def _check_feasible(self, count: int, bundle: dict[str, float]) -> None:
         """Fail at once, naming the numbers, when the cluster could never hold the ranks."""
-        ray = self._ray
+        ray = self.ray
         fits = []
         for node in ray.nodes():
             if not node.get("Alive"):
@@ -246,9 +246,9 @@ class RayPlacer:
         listener.bind((address, 0))
         listener.listen(64)
         self._listener = listener
-        self._spawn(accept_links, "mpify_nb-ray-accept", listener, self._greet)
+        self.spawn(accept_links, "mpify_nb-ray-accept", listener, self._greet)
 
-    def _spawn(self, target, name: str, *args) -> None:
+    def spawn(self, target: Callable[..., Any], name: str, *args: Any) -> None:
         threading.Thread(target=target, args=args, name=name, daemon=True).start()
 
     # -- start -----------------------------------------------------------------------------
@@ -256,12 +256,12 @@ class RayPlacer:
     def start(self, rank: int, channel_fd: int, stdout_fd: int, stderr_fd: int,
               timeout: Optional[float] = None) -> placement.RankProcess:
         assert self._layout is not None, "reserve() first"
-        if rank in self._ranks:
+        if rank in self.ranks:
             self._find_again(rank)
         handle = RayRank(self, rank, self._layout.nodes[rank], channel_fd, stdout_fd, stderr_fd)
-        with self._lock:
-            self._ranks[rank] = handle
-        self._spawn(handle.bridge, f"mpify_nb-ray-rank{rank}")
+        with self.lock:
+            self.ranks[rank] = handle
+        self.spawn(handle.bridge, f"mpify_nb-ray-rank{rank}")
         return handle
 
     def submit(self, handle: RayRank, setup: bytes | bytearray, call: bytes | bytearray, fds: list[int]) -> Any:
@@ -284,7 +284,7 @@ class RayPlacer:
             scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, self._bundle_of[handle.rank]))
         # In a list: Ray would fetch an ObjectRef passed as such before the task starts, and a
         # rank that maps the caller's memfds needs no copy on its node.
-        return task.remote(host, port, self._token, handle.rank, bytes(setup), bytes(call), [objects], lent)
+        return task.remote(host, port, self.token, handle.rank, bytes(setup), bytes(call), [objects], lent)
 
     def _put(self, fds: list[int]) -> Any:
         """One object holding the bytes of every memfd of the call (a list, one array each): put
@@ -293,21 +293,21 @@ class RayPlacer:
         if not fds:
             return None
         key = tuple(identity(fd) for fd in fds)
-        with self._lock:
+        with self.lock:
             ref = self._puts.get(key)
             if ref is None:
-                ref = self._ray.put([read_memfd(fd) for fd in fds])
+                ref = self.ray.put([read_memfd(fd) for fd in fds])
                 self._puts[key] = ref
         return ref
 
     def _greet(self, sock: socket.socket) -> None:
         hello = read_hello(sock)
-        if hello is None or not hmac.compare_digest(hello[0], self._token):
+        if hello is None or not hmac.compare_digest(hello[0], self.token):
             sock.close()
             return
         _token, rank, pid = hello
-        with self._lock:
-            handle = self._ranks.get(rank)
+        with self.lock:
+            handle = self.ranks.get(rank)
         if handle is None or not handle.attach(sock, pid):
             sock.close()
 
@@ -323,14 +323,14 @@ class RayPlacer:
             except OSError:
                 pass
             self._listener.close()
-        for handle in list(self._ranks.values()):
+        for handle in list(self.ranks.values()):
             handle.kill()
             handle.ended.wait(KILL_GRACE + 2.0)
         # Wait until each task has returned its worker to Ray's pool: a call that came before
         # that would find the worker busy, and Ray would start (and import torch in) a new one.
-        tasks = [h._task for h in self._ranks.values() if h._task is not None]
+        tasks = [h._task for h in self.ranks.values() if h._task is not None]
         if tasks:
-            self._ray.wait(tasks, num_returns=len(tasks), timeout=KILL_GRACE)
+            self.ray.wait(tasks, num_returns=len(tasks), timeout=KILL_GRACE)
         if self._tunnel is not None:
             self._tunnel.stop()
         if self._pg is not None:
