@@ -81,7 +81,8 @@ def _recorder_entries() -> list[dict]:
     if torch is None:
         return []
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace  # torch >= 2.8 records gloo too
+        # torch >= 2.8 records gloo's collectives too
+        from torch._C._distributed_c10d import _dump_fr_trace  # pyright: ignore[reportAttributeAccessIssue]
 
         entries = pickle.loads(_dump_fr_trace(True, False, True)).get("entries", [])
     except Exception:

@@ -417,13 +417,15 @@ def session_magics_class() -> type:
                 %dist_debug            # the rank that caused the last failed cell
                 %dist_debug --rank 0
             """
+            self._post_mortem(parse_argstring(self.dist_debug, line).rank)
+
+        def _post_mortem(self, rank: Optional[int]) -> None:
             s = self._require("dist_debug")
-            args = parse_argstring(self.dist_debug, line)
-            if args.rank is None and s.last_error is None:
+            if rank is None and s.last_error is None:
                 raise UsageError("%dist_debug: no cell on the ranks has failed yet; %dist_debug --rank K "
                                  "debugs the last error of rank K")
             try:
-                self._call(lambda: s.debug(args.rank))
+                self._call(lambda: s.debug(rank))
             except ValueError as e:
                 raise UsageError(f"%dist_debug: {e}") from None
 
@@ -433,7 +435,9 @@ def session_magics_class() -> type:
             s = self._session
             last = getattr(sys, "last_value", None)
             if not line.strip() and s is not None and not s.closed and last is not None and last is s.last_error:
-                return self.dist_debug("")
+                return self._post_mortem(None)
+            if self._ipython_debug is None:
+                raise UsageError("%debug is not available")
             return self._ipython_debug(line)
 
         # -- automatic mode ----------------------------------------------------------------
