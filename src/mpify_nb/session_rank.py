@@ -506,9 +506,12 @@ def _control_loop(control: socket.socket, state: _State) -> None:
             continue
         next_watch = time.monotonic() + _WATCH_PERIOD
         now = waits.waits_of(state.main_ident, recorder=recorder_for == request)
-        if len(now) != len(reported) or not all(a.same_wait(b) for a, b in zip(now, reported)):
-            where = waits.user_line(state.main_ident) if now else None
-            reported = [dataclasses.replace(w, where=where) for w in now]
+        # Where it waits is the line it blocks on now (an async collective is issued on one
+        # line and waited for on a later one).
+        where = waits.user_line(state.main_ident) if now else None
+        now = [dataclasses.replace(w, where=where) for w in now]
+        if now != reported:
+            reported = now
             _send(control, pack(COLLECTIVE, request, pickle.dumps((reported, time.monotonic()))))
 
 

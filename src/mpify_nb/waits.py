@@ -56,10 +56,6 @@ class Wait:
     #: ``ranks`` can come (a pipeline stage waits for its neighbour, not for the last stage)
     any_peer: bool = False
 
-    def same_wait(self, other: Optional[Wait]) -> bool:
-        return other is not None and (self.op, self.ranks, self.group, self.seq) == (
-            other.op, other.ranks, other.group, other.seq)
-
 
 #: Wall-clock ns when this process's current default group was made: the recorder keeps
 #: entries of groups destroyed since, whose names and numbers the new groups reuse.
