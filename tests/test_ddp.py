@@ -136,6 +136,8 @@ def test_bad_gpu_lists(spec):
 
 def test_device_for_default(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert TorchDDPCtx().device_for(1) == 1
     assert TorchDDPCtx(backend="gloo").device_for(1) is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -147,10 +149,28 @@ def test_device_for_a_rank_given_its_own_gpu(monkeypatch):
     its local rank."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     assert TorchDDPCtx().device_for(1) == 0
     assert TorchDDPCtx().device_for(0) == 0
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     assert TorchDDPCtx().device_for(1) == 1
+
+
+def test_fewer_gpus_than_ranks_here_puts_every_rank_on_cpu(monkeypatch):
+    """One GPU and two ranks on this machine (found on an H100 machine: both ranks took GPU 0
+    with NCCL, and a CPU tensor's all_reduce failed): all ranks on CPU with gloo, and ranch's
+    ctx says so."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert TorchDDPCtx().device_for(0) is None and TorchDDPCtx().device_for(1) is None
+    ctx = TorchDDPCtx()
+    with pytest.warns(UserWarning, match="2 ranks and 1 GPU\\(s\\) here: every rank runs on CPU with gloo"):
+        ctx._mpify_prepare(2, 0)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # a rank alone here: it has the GPU
+    assert TorchDDPCtx().device_for(0) == 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="mocks CUDA on a machine without it")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 from typing import Any, Callable, Optional
 
 from .groups import GpuSpec, group_count, listen_on, parse_gpus, set_group_count
@@ -45,13 +46,15 @@ class TorchDDPCtx:
         self.timeout = timeout
         self._saved: list[tuple[Optional[int], bool]] = []
         self._store: Any = None
+        self._on_cpu = False  # fewer GPUs here than ranks: every rank on CPU (_mpify_prepare)
 
     def __getstate__(self) -> dict:
-        return {"backend": self.backend, "gpus": self.gpus, "timeout": self.timeout}
+        return {"backend": self.backend, "gpus": self.gpus, "timeout": self.timeout, "on_cpu": self._on_cpu}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__()
         self.backend, self.gpus, self.timeout = state["backend"], state["gpus"], state["timeout"]
+        self._on_cpu = state.get("on_cpu", False)
 
     def __repr__(self) -> str:
         return f"TorchDDPCtx(backend={self.backend!r}, gpus={self.gpus!r}, timeout={self.timeout!r})"
@@ -63,10 +66,19 @@ class TorchDDPCtx:
         if self.gpus is not None and len(self.gpus) < nprocs:
             raise ValueError(f"gpus={self.gpus} names {len(self.gpus)} GPUs for {nprocs} ranks: "
                              "give one GPU id per rank")
+        from . import placement
+
         wants_gpu = self.gpus is not None or self.backend == "nccl"
         if not wants_gpu:
+            # By default a rank takes the GPU of its local rank, when every rank of this machine
+            # can have its own (two ranks on one GPU cannot share an NCCL group); else all run on
+            # CPU with gloo, as a Session's ranks do. Under Ray each rank is given its own GPU.
+            count = torch.cuda.device_count() if self.backend is None and torch.cuda.is_available() else 0
+            if 0 < count < nprocs and placement.get_placement() == "local":
+                self._on_cpu = True
+                warnings.warn(f"{nprocs} ranks and {count} GPU(s) here: every rank runs on CPU with gloo; "
+                              "pass gpus= (one id per rank) or backend='nccl' to choose", stacklevel=3)
             return
-        from . import placement
 
         if placement.get_placement() == "ray":
             if self.gpus is not None:
@@ -101,15 +113,21 @@ class TorchDDPCtx:
             if local_rank >= len(self.gpus):
                 raise ValueError(f"gpus={self.gpus} has no GPU for local rank {local_rank}")
             return self.gpus[local_rank]
-        if self.backend not in (None, "nccl"):
+        if self.backend not in (None, "nccl") or self._on_cpu:
             return None
         if self.backend == "nccl" or torch.cuda.is_available():
             count = torch.cuda.device_count()
-            if 0 < count <= local_rank:
-                # Fewer GPUs visible than the local rank: each rank was given its own (Ray sets
-                # CUDA_VISIBLE_DEVICES per rank), so its GPUs are numbered from 0 here.
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+            if count >= local_world or self.backend == "nccl" and local_rank < count:
+                return local_rank
+            if count > 0 and os.environ.get("CUDA_VISIBLE_DEVICES"):
+                # Fewer GPUs visible than ranks here, and a device list given: each rank was
+                # given its own (Ray sets CUDA_VISIBLE_DEVICES per rank), numbered from 0.
                 return local_rank % count
-            return local_rank
+            if self.backend == "nccl":
+                return local_rank  # asked for: torch says why it cannot be
+            # Not a GPU each: every rank of this machine on CPU (one backend for all), as
+            # _mpify_prepare decides for ranch; two ranks cannot share one GPU's NCCL group.
         return None
 
     def __enter__(self) -> TorchDDPCtx:

@@ -27,6 +27,7 @@ import dis
 import functools
 import os
 import pickle
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -68,22 +69,37 @@ def enable_recorder() -> None:
     ``init_process_group``."""
     global _groups_born_ns
     if not any(os.environ.get(name) for name in _RECORDER_VARIABLES):
-        os.environ["TORCH_FR_BUFFER_SIZE"] = str(RECORDER_ENTRIES)
+        # Its name since torch 2.8 (gloo's and NCCL's recorder); NCCL's own before, deprecated after.
+        torch = sys.modules.get("torch")
+        version = tuple(int(p) for p in re.findall(r"\d+", getattr(torch, "__version__", "2.8"))[:2])
+        os.environ["TORCH_FR_BUFFER_SIZE" if version >= (2, 8) else "TORCH_NCCL_TRACE_BUFFER_SIZE"] = \
+            str(RECORDER_ENTRIES)
     _groups_born_ns = time.time_ns()
 
 
-def _recorder_entries() -> list[dict]:
+def _recorder_entries(only_active: bool = True) -> list[dict]:
     torch = sys.modules.get("torch")
     if torch is None:
         return []
-    try:
-        # torch >= 2.8 records gloo's collectives too
-        from torch._C._distributed_c10d import _dump_fr_trace  # pyright: ignore[reportAttributeAccessIssue]
-
-        entries = pickle.loads(_dump_fr_trace(True, False, True)).get("entries", [])
-    except Exception:
-        return []
-    return [e for e in entries if (e.get("time_created_ns") or 0) >= _groups_born_ns]
+    entries: list[dict] = []
+    c10d = sys.modules.get("torch._C._distributed_c10d")
+    # torch >= 2.8 records gloo's collectives in _dump_fr_trace; NCCL's are in _dump_nccl_trace
+    for name in ("_dump_fr_trace", "_dump_nccl_trace"):
+        dump = getattr(c10d, name, None)
+        if dump is None:
+            continue
+        try:
+            entries += pickle.loads(dump(True, False, only_active)).get("entries", [])
+        except Exception:
+            continue  # no NCCL in this torch, or no group of that kind
+    seen: set = set()
+    fresh = []
+    for e in entries:
+        key = (e.get("pg_id"), e.get("collective_seq_id"), e.get("p2p_seq_id"), e.get("time_created_ns"))
+        if key not in seen and (e.get("time_created_ns") or 0) >= _groups_born_ns:
+            seen.add(key)
+            fresh.append(e)
+    return fresh
 
 
 def _ranks_by_group_name() -> dict[str, Optional[tuple[int, ...]]]:
@@ -119,7 +135,7 @@ def pending_collectives() -> list[Wait]:
 def issued_counts() -> dict[str, int]:
     """{group name: the number of the last collective this process issued on it}."""
     counts: dict[str, int] = {}
-    for entry in _recorder_entries():
+    for entry in _recorder_entries(only_active=False):  # NCCL's dump leaves the retired out when asked
         if entry.get("is_p2p"):
             continue
         name = str(entry.get("process_group", ("",))[0])
