@@ -597,3 +597,13 @@ def modules_then_import(names: list) -> dict:
     for name in names:
         importlib.import_module(name)
     return held
+
+
+def long_line_then_sleep(size: int, seconds: float) -> int:
+    """Rank 1 writes ``size`` characters of JSON with no newline (``json.dump`` to stdout), then
+    every rank sleeps ``seconds``."""
+    if rank() == 1:
+        json.dump("x" * (size - 2), sys.stdout)
+        sys.stdout.flush()
+    time.sleep(seconds)
+    return rank()
