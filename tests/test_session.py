@@ -388,3 +388,27 @@ def test_close_from_another_thread_ends_a_running_call(session):
     with pytest.raises(SessionClosedError):
         session.run("import time\ntime.sleep(30)")
     assert session.closed
+
+
+def test_the_stop_button_during_restart_leaves_every_rank_a_member(session):
+    # Before: restart() removed the members before their successors existed; an interrupt
+    # 2-10 ms in left status() without them, and every later call failed with KeyError: 0.
+    session.run("kept = rank")
+    outcomes = []
+    for delay in (0.002, 0.004, 0.006, 0.008, 0.010, 0.03):
+        timer = threading.Timer(delay, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+        timer.start()
+        try:
+            session.restart([1])
+            time.sleep(0.2)  # an interrupt that came after restart() returned lands here
+            outcomes.append("done")
+        except KeyboardInterrupt:
+            outcomes.append("interrupted")
+        timer.join()
+        rows = session.status()
+        assert [r.rank for r in rows] == [0, 1], (delay, rows)
+        session.restart()  # whatever is dead (nothing, unless a start failed)
+        assert [r.state for r in session.status()] == ["idle", "idle"]
+        assert session.run("globals().get('kept'), rank") == {0: (0, 0), 1: (None, 1)}
+        assert session.run(ALL_REDUCE) == {0: [3.0, 3.0], 1: [3.0, 3.0]}
+    assert "interrupted" in outcomes, outcomes

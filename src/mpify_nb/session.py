@@ -125,6 +125,7 @@ class _Member:
         self.exit_error: Optional[RankExitedError] = None
         self.start_failure: Optional[RemoteFailure] = None
         self.control_theirs: Optional[socket.socket] = None  # the rank's end, until sent
+        self.buried = False  # its process is gone and its fds are closed
 
     @property
     def pid(self) -> int:
@@ -333,9 +334,20 @@ class Session:
                 else self._targets(ranks)
             if not targets:
                 return
-            for r in targets:
-                self._bury(self._members.pop(r))
-            self._start(targets)
+            # Either done or not begun: the stop button only sets a flag while ranks are replaced
+            # (a KeyboardInterrupt between burying the old ones and starting their successors left
+            # a session without those ranks). It takes effect once the restart is done.
+            with self._flag_lock:
+                self._interrupt_asked = False
+            restore = _take_sigint(self._on_sigint, self)
+            try:
+                for r in targets:
+                    self._bury(self._members[r])  # stays a member, dead, until its successor exists
+                self._start(targets)
+            finally:
+                restore()
+            if self._interrupt_asked:
+                raise KeyboardInterrupt(f"interrupted, after ranks {targets} were restarted")
 
     def close(self) -> None:
         """End every rank; when this returns their processes are gone. Idempotent."""
@@ -422,9 +434,9 @@ class Session:
             port = listener.getsockname()[1]
         else:  # on a Ray node the host binds it itself
             port = placer.store_port() if self.ddp else 0
+        new: list[_Member] = []
         try:
             common = {"cwd": os.getcwd(), "sys_path": list(sys.path), "argv": list(sys.argv)}
-            new = []
             for r in ranks:
                 m = self._spawn(placer, r)  # the host first: its node is known once it is placed (again)
                 new.append(m)
@@ -446,6 +458,10 @@ class Session:
                     body = pickle.dumps((self._layout.nodes[host], port, m.rank == host))
                     self._send_request(m, proto.GROUP, req, body,
                                        [listener.fileno()] if listener and m.rank == host else [], None)
+        except BaseException:
+            for m in new:  # a rank that could not be started: a dead member, never a missing one
+                self._bury(m)
+            raise
         finally:
             if listener is not None:
                 listener.close()  # the host rank holds it now
@@ -505,20 +521,28 @@ class Session:
         # Some rank could not start or join: nothing half-built stays behind.
         errors: list[RankError] = []
         for m in failed:
+            error: Optional[RankError] = None
             if m.exit_error is not None:
-                errors.append(m.exit_error)
+                error = m.exit_error
             elif m.start_failure is not None:
-                errors.append(m.start_failure.to_error(m.rank, payload.loads))
+                error = m.start_failure.to_error(m.rank, payload.loads)
             elif m.answer is not None:
-                errors.append(_failure_of(m))
-        for m in new:
+                error = _failure_of(m)
+            if error is not None:
+                errors.append(error)
+                if m in new and m.exit_error is None:
+                    m.exit_error = RankExitedError(m.rank, None, f"it could not start: {error}")
+        for m in new:  # dead members, each with why: restart() tries them again
             m.process.kill()
-            self._bury(self._members.pop(m.rank))
+            self._bury(m)
         self._group_broken = True
         raise merge_rank_errors(errors)
 
     def _bury(self, m: _Member) -> None:
-        """Make sure ``m``'s process is gone, then let go of everything that was its."""
+        """Make sure ``m``'s process is gone, then let go of everything that was its (once)."""
+        if m.buried:
+            return
+        m.buried = True
         m.process.kill()
         if not m.process.wait_gone(5.0):
             pass  # its template died with it, or the kernel is slow: the pidfd says nothing more

@@ -385,7 +385,8 @@ def session_magics_class() -> type:
             try:
                 s.restart(ranks)
             except KeyboardInterrupt as e:
-                show_briefly(e, ["KeyboardInterrupt: %dist_restart was interrupted"])
+                show_briefly(e, ["KeyboardInterrupt: %dist_restart was interrupted once it was done "
+                                 "(%dist_status shows the ranks)"])
                 raise
             rows = s.status()
             changed = ranks if ranks is not None else [r for r, state in before.items() if state == "dead"]
