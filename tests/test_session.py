@@ -412,3 +412,46 @@ def test_the_stop_button_during_restart_leaves_every_rank_a_member(session):
         assert session.run("globals().get('kept'), rank") == {0: (0, 0), 1: (None, 1)}
         assert session.run(ALL_REDUCE) == {0: [3.0, 3.0], 1: [3.0, 3.0]}
     assert "interrupted" in outcomes, outcomes
+
+
+DISPLAY_THREAD = """
+import threading
+stop_displays = threading.Event()
+def keep_displaying():
+    i = 0
+    while not stop_displays.is_set():
+        display({"i": i, "pad": "d" * 50_000})
+        i += 1
+displayer = threading.Thread(target=keep_displaying, daemon=True)
+displayer.start()
+"""
+
+
+def test_display_from_a_rank_thread_keeps_the_channel_whole(session):
+    # Before: the thread's DISPLAY frames and the main thread's answers interleaved on the
+    # socket; within 25 calls the caller read garbage (UnicodeDecodeError, OverflowError,
+    # MemoryError from a bogus length) and declared the rank dead.
+    shown: list[tuple[int, int]] = []
+
+    def on_display(rank: int, bundle: dict) -> None:
+        shown.append((rank, len(bundle["text/plain"])))
+
+    session.run(DISPLAY_THREAD, display=on_display)
+    try:
+        for i in range(40):
+            assert session.run(f"'r' * 100_000 + str({i} + rank)", display=on_display) == \
+                {0: "r" * 100_000 + str(i), 1: "r" * 100_000 + str(i + 1)}
+    finally:
+        session.run("stop_displays.set()\ndisplayer.join()")
+    assert shown and all(length > 50_000 for _rank, length in shown)
+    assert [r.state for r in session.status()] == ["idle", "idle"]
+
+
+def test_a_corrupt_length_is_refused_before_anything_is_allocated():
+    from mpify_nb import wire
+
+    a, b = wire.socketpair()
+    with a, b:
+        a.sendall(wire._HEADER.pack(1 << 62, 0))
+        with pytest.raises(ConnectionError, match="corrupt message header"):
+            wire.recv(b)

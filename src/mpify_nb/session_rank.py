@@ -79,6 +79,8 @@ class _State:
         self.lock = threading.Lock()
         self.request = NO_REQUEST  # the request the main thread runs now
         self.in_user_code = False  # SIGINT raises KeyboardInterrupt only then
+        self.deferring = False  # the user's code sends a message: an interrupt waits for its end
+        self.deferred = False  # an interrupt came meanwhile
         self.main_ident = threading.get_ident()
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
 
@@ -95,7 +97,7 @@ def serve(channel: socket.socket, config: dict, fds: list[int]) -> NoReturn:
     signal.signal(signal.SIGINT, lambda signum, frame: _on_sigint(state))
     threading.Thread(target=_control_loop, args=(control, state), name="mpify_nb-control", daemon=True).start()
     ready: dict = {}
-    rank_display.install(lambda bundle: _send(channel, pack(DISPLAY, state.request, pickle.dumps(bundle))))
+    rank_display.install(lambda bundle: _send_display(channel, state, bundle))
     namespace["display"] = rank_display.display
     try:
         ready = _start(namespace, config["rank"], session, listen_fd)
@@ -150,6 +152,26 @@ def _send(channel: socket.socket, data: bytes, fds=()) -> None:
 
 def _on_sigint(state: _State) -> None:
     if state.in_user_code:
+        raise KeyboardInterrupt
+    if state.deferring:
+        state.deferred = True
+
+
+def _send_display(channel: socket.socket, state: _State, bundle: dict) -> None:
+    """``display()`` in the user's code, from any thread: one DISPLAY message, sent whole
+    (wire.send serializes the threads). On the main thread an interrupt would cut it in
+    half, leaving the caller a corrupt channel: it is raised once the message is out."""
+    data = pack(DISPLAY, state.request, pickle.dumps(bundle))
+    if threading.get_ident() != state.main_ident or not state.in_user_code:
+        _send(channel, data)
+        return
+    state.in_user_code, state.deferring, state.deferred = False, True, False
+    try:
+        _send(channel, data)
+    finally:
+        state.in_user_code, state.deferring = True, False
+    if state.deferred:
+        state.deferred = False
         raise KeyboardInterrupt
 
 
