@@ -455,3 +455,70 @@ def test_a_corrupt_length_is_refused_before_anything_is_allocated():
         a.sendall(wire._HEADER.pack(1 << 62, 0))
         with pytest.raises(ConnectionError, match="corrupt message header"):
             wire.recv(b)
+
+
+def test_datetime_arrays_push_pull_and_run_and_a_value_that_cannot_travel_raises(session):
+    # Before: a datetime64 array of 1 MiB or more could not be pushed, and pull/run handed back a
+    # RemoteRepr (a text stand-in) without saying so.
+    import numpy as np
+
+    from helpers_ranks import time_arrays
+
+    arrays = time_arrays(200_000)
+    session.push(**arrays)
+    assert session.run("str(stamps[-1]), gaps.dtype.str, records['when'][0].item().year") == \
+        {r: ("2048-10-25T07:00:00.000000000", "<m8[ns]", 2026) for r in (0, 1)}
+    session.run("import numpy as np\nstamps = stamps + np.timedelta64(rank, 'D')")
+    pulled = session.pull("stamps", rank=None)
+    assert [str(p[-1]) for p in pulled] == ["2048-10-25T07:00:00.000000000", "2048-10-26T07:00:00.000000000"]
+    assert np.array_equal(session.pull("records"), arrays["records"])
+    assert str(session.run("stamps", ranks=[1])[1][0]) == "2026-01-02T00:00:00.000000000"
+
+
+def test_pulling_a_value_that_cannot_be_pickled_raises(session):
+    # Before: pull handed back a RemoteRepr (a text stand-in) without saying so. A generator
+    # cannot be pickled: pull says so; a cell's shown value may still be its repr.
+    from mpify_nb import PayloadError
+    from mpify_nb.session_rank import RemoteRepr
+
+    session.run("g = (i for i in range(3))")
+    with pytest.raises(PayloadError, match=r"cannot pull 'g' from rank 0: .*generator"):
+        session.pull("g")
+    shown = session.run("g", ranks=[0])[0]
+    assert isinstance(shown, RemoteRepr) and repr(shown).startswith("<generator object <genexpr>")
+
+
+STUCK_VALUE = """
+import threading
+class PicklesForever:
+    def __reduce__(self):
+        threading.Event().wait()  # never set
+stuck_value = PicklesForever()
+"""
+
+
+def test_a_value_that_never_finishes_pickling_is_interrupted_like_user_code(session):
+    # Before: results were pickled where interrupts are ignored: the call raised TimeoutError
+    # after 8 s saying the ranks "were interrupted", but both stayed running and every later
+    # call timed out (or hung).
+    session.run(STUCK_VALUE)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"they were interrupted, their state is kept$"):
+        session.run("stuck_value", timeout=2)
+    assert time.monotonic() - start < 6
+    assert [r.state for r in session.status()] == ["idle", "idle"]
+    assert session.run("rank", timeout=5) == {0: 0, 1: 1}
+    # pull and the stop button (interrupt()) likewise.
+    timer = threading.Timer(0.5, session.interrupt)
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        session.pull("stuck_value")
+    timer.join()
+    assert session.run(ALL_REDUCE, timeout=5) == {0: [3.0, 3.0], 1: [3.0, 3.0]}
+
+
+def test_a_timeout_says_which_ranks_did_not_stop():
+    from mpify_nb.session import _timed_out
+
+    assert _timed_out(3, [0, 1], []).endswith("they were interrupted, their state is kept")
+    assert "ranks [1] did not stop" in _timed_out(3, [0, 1], [1]) and "restart([1])" in _timed_out(3, [0, 1], [1])

@@ -373,6 +373,20 @@ def test_push_and_pull(dist):
     assert not missing.ok and "name 'never_defined_anywhere' is not defined on rank 0" in missing.error_text()
 
 
+def test_pull_brings_the_real_value_or_fails_leaving_the_notebooks_name_alone(dist):
+    # Before: %dist_pull of a generator put a RemoteRepr (a text stand-in) into the notebook's
+    # name, and a datetime64 array of 1 MiB or more could not come back at all.
+    dist.ok("%%local\npulled_gen = 'the notebook keeps this'")
+    dist.ok("pulled_gen = (i for i in range(3))\n"
+            "import numpy as np\npulled_hours = np.arange(200_000).astype('datetime64[h]').astype('M8[ns]')")
+    ran = dist.fails("%dist_pull pulled_gen", "PayloadError")
+    assert "cannot pull 'pulled_gen' from rank 0" in ran.error_text() and "generator" in ran.error_text()
+    assert dist.value("pulled_gen") == "the notebook keeps this"
+    dist.ok("%dist_pull pulled_hours --rank 1")
+    assert dist.value("(str(pulled_hours.dtype), str(pulled_hours[-1]))") == (
+        "datetime64[ns]", "1992-10-25T07:00:00.000000000")
+
+
 def test_status_and_sync(dist):
     ran = dist.ok("%dist_status")
     [bundle] = [o.data for o in ran.outputs if o.output_type == "display_data"]

@@ -272,7 +272,8 @@ class Session:
 
     def pull(self, name: str, rank: Optional[int] = 0) -> Any:
         """The value of ``name`` on ``rank``; ``rank=None``: a list of every rank's, by rank.
-        A name a rank lacks raises ``NameError`` naming the rank.
+        A name a rank lacks raises ``NameError`` naming the rank; a value that cannot be
+        pickled (a generator, an open file) raises ``PayloadError``.
 
         >>> s.pull("loss")            # rank 0's
         >>> s.pull("loss", rank=None) # [rank 0's, rank 1's, ...]
@@ -282,9 +283,11 @@ class Session:
             values = self._call(proto.PULL, pickle.dumps(name), [], targets, None, None, None)
         except RankError as e:
             cause = e.__cause__
+            who = f"rank {e.ranks[0]}" if len(e.ranks) == 1 else f"ranks {e.ranks}"
             if isinstance(cause, NameError):
-                who = f"rank {e.ranks[0]}" if len(e.ranks) == 1 else f"ranks {e.ranks}"
                 raise NameError(f"name {name!r} is not defined on {who}") from None
+            if isinstance(cause, PayloadError):  # it cannot be pickled: no stand-in comes back
+                raise PayloadError(f"cannot pull {name!r} from {who}: {cause}") from None
             raise
         return values[rank] if rank is not None else [values[r] for r in sorted(values)]
 
@@ -640,8 +643,7 @@ class Session:
                 if wait is not None and wait <= 0:
                     running = [m.rank for m in members if m.req == req]
                     self._stop(members, req)
-                    raise TimeoutError(f"the call did not finish within {timeout:g} s (ranks still running: "
-                                       f"{running}); they were interrupted, their state is kept")
+                    raise TimeoutError(_timed_out(timeout, running, [m.rank for m in members if m.req == req]))
                 if self.ddp:
                     stuck, missing = self._stuck(req)
                     if stuck and missing:
@@ -954,6 +956,16 @@ def _check_timeout(timeout: Optional[float]) -> None:
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                 or timeout <= 0):
         raise ValueError(f"timeout must be a positive number of seconds or None, not {timeout!r}")
+
+
+def _timed_out(timeout: float, running: list[int], still: list[int]) -> str:
+    """What a call that ran out of time did to the ranks that were still running it."""
+    message = f"the call did not finish within {timeout:g} s (ranks still running: {running}); "
+    if not still:
+        return message + "they were interrupted, their state is kept"
+    return message + (f"they were interrupted, but ranks {still} did not stop (C code that ignores "
+                      f"interrupts?): they still run it, later calls wait for them, and "
+                      f"restart({still}) replaces them")
 
 
 def _wants_value(source: str) -> bool:

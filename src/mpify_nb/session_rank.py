@@ -43,7 +43,7 @@ import time
 from typing import Any, NoReturn, Optional
 
 from . import payload, rank_display, wire
-from .errors import RemoteFailure, safe_str
+from .errors import PayloadError, RemoteFailure, safe_str
 
 # -- the protocol (both directions: a kind byte, a request id, a body) ----------------------
 
@@ -388,20 +388,37 @@ def _handle(kind: bytes, req_id: int, body, fds: list[int], namespace: dict, sta
             value = None
         else:
             raise RuntimeError(f"unknown request {kind!r}")
+        meta = _meta()
+        if value is None and meta["gpu_memory"] is None:
+            payload.close_fds(fds)
+            return pack(DONE, req_id), []  # the common case, without pickling anything
+        # Pickling runs the value's own code (__reduce__, __getstate__), which may block: it is
+        # interrupted like the user's code, by the stop button and by timeout=.
+        try:
+            data, out_fds = _in_user_code(state, payload.pack_result, (value, meta))
+        except Exception as e:
+            if kind != RUN:  # pull, apply: the real value or an error, never a stand-in
+                raise PayloadError(f"rank {namespace.get('rank')} cannot send back "
+                                   f"{_what(kind, body)} ({type(value).__name__}): "
+                                   f"{type(e).__name__}: {safe_str(e)}") from None
+            # A cell's value, to be shown (a generator, an open file...): its repr tells what it is.
+            data, out_fds = payload.pack_result((RemoteRepr(_safe_repr(value)), meta))
     except BaseException as e:
         payload.close_fds(fds)
         interrupted = isinstance(e, KeyboardInterrupt)
         return pack(FAIL, req_id, pickle.dumps((_capture(e), interrupted, _meta()))), []
     payload.close_fds(fds)
-    meta = _meta()
-    if value is None and meta["gpu_memory"] is None:
-        return pack(DONE, req_id), []  # the common case, without pickling anything
-    try:
-        data, out_fds = payload.pack_result((value, meta))
-    except BaseException:
-        # Not picklable (a generator, an open file...): its repr still tells the user what it is.
-        data, out_fds = payload.pack_result((RemoteRepr(_safe_repr(value)), meta))
     return pack(DONE, req_id, data), out_fds
+
+
+def _what(kind: bytes, body) -> str:
+    """What a request's value is, for an error: ``'x'`` for a pull of x."""
+    if kind == PULL:
+        try:
+            return repr(pickle.loads(body))
+        except Exception:
+            pass
+    return "the value"
 
 
 def _in_user_code(state: _State, fn, *args, **kwargs):
