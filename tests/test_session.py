@@ -522,3 +522,23 @@ def test_a_timeout_says_which_ranks_did_not_stop():
 
     assert _timed_out(3, [0, 1], []).endswith("they were interrupted, their state is kept")
     assert "ranks [1] did not stop" in _timed_out(3, [0, 1], [1]) and "restart([1])" in _timed_out(3, [0, 1], [1])
+
+
+def test_template_shutdown_spares_an_open_sessions_ranks():
+    # Before: template.shutdown() (which the README suggests to free ~220 MB) killed every rank
+    # of an open Session: they are forked from it and die with it.
+    from mpify_nb import template
+
+    with Session(2) as s:
+        before = identities(s)
+        template_pid = template.current_pid()
+        with pytest.warns(RuntimeWarning, match="still has 2 live ranks"):
+            assert template.shutdown() is False
+        assert s.run(ALL_REDUCE) == {0: [3.0, 3.0], 1: [3.0, 3.0]}
+        assert identities(s) == before and start_time(template_pid) is not None
+    deadline = time.monotonic() + 10
+    while start_time(template_pid) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert start_time(template_pid) is None, "the retired template outlived the Session's ranks"
+    assert template.shutdown() is True
+    assert mpify_nb.ranch(2, lambda: 1) == [1, 1]
