@@ -333,7 +333,7 @@ def test_a_figure_drawn_on_a_rank_is_shown_at_the_end_of_the_cell(session):
 
 
 def test_a_figure_is_shown_when_the_template_preloaded_matplotlib():
-    """A notebook that imported matplotlib teaches the template to preload it, with the
+    """A template that preloads matplotlib (named here; or learned from ranks) has it imported with the
     kernel's backend already read: a Session's rank must still draw into the cell."""
     pytest.importorskip("matplotlib")
     from mpify_nb import preload, template
@@ -542,3 +542,22 @@ def test_template_shutdown_spares_an_open_sessions_ranks():
     assert start_time(template_pid) is None, "the retired template outlived the Session's ranks"
     assert template.shutdown() is True
     assert mpify_nb.ranch(2, lambda: 1) == [1, 1]
+
+
+def test_a_rank_killed_as_the_group_is_rebuilt_is_named(monkeypatch):
+    # Before: CollectiveError "... the process group is broken", which did not say rank 1 died.
+    rebuild = Session._rebuild
+
+    def kill_rank_1_then_rebuild(self: Session) -> bool:
+        victim = self._members[1]
+        if victim.alive:
+            os.kill(victim.pid, signal.SIGKILL)
+        return rebuild(self)
+
+    with Session(2) as s:
+        s.run("t = torch.ones(1)")
+        monkeypatch.setattr(Session, "_rebuild", kill_rank_1_then_rebuild)
+        with pytest.raises(RankExitedError) as info:
+            s.run("dist.all_reduce(t)", ranks=[0])  # rank 1 never joins: the group is aborted, rebuilt
+        assert info.value.rank == 1 and info.value.signal_name == "SIGKILL"
+        assert s.status()[1].state == "dead"

@@ -126,6 +126,7 @@ class _Member:
         self.start_failure: Optional[RemoteFailure] = None
         self.control_theirs: Optional[socket.socket] = None  # the rank's end, until sent
         self.buried = False  # its process is gone and its fds are closed
+        self.died_during = proto.NO_REQUEST  # the call running when it died
 
     @property
     def pid(self) -> int:
@@ -337,6 +338,7 @@ class Session:
                 else self._targets(ranks)
             if not targets:
                 return
+            self._raise_if_others_dead(targets)  # restart those too, or the group cannot form
             # Either done or not begun: the stop button only sets a flag while ranks are replaced
             # (a KeyboardInterrupt between burying the old ones and starting their successors left
             # a session without those ranks). It takes effect once the restart is done.
@@ -426,6 +428,7 @@ class Session:
         deadline = time.monotonic() + 5.0
         while any(m.alive and m.aborts > 0 for m in self._members.values()) and time.monotonic() < deadline:
             self._pump(0.05)
+        self._raise_if_others_dead(ranks)
         live_old = [m for m in self._members.values() if m.alive and m.rank not in ranks]
         host = min([m.rank for m in live_old] + ranks)  # the rank that hosts the store
         placer = self._placer
@@ -469,6 +472,13 @@ class Session:
             if listener is not None:
                 listener.close()  # the host rank holds it now
         self._wait_started(new, live_old, req)
+
+    def _raise_if_others_dead(self, ranks: list[int]) -> None:
+        """With ddp, a group of every rank cannot form while a rank other than ``ranks`` (those
+        being started) is dead: its survivors would wait in the rendezvous until it times out."""
+        dead = [m for m in self._members.values() if not m.alive and m.rank not in ranks]
+        if self.ddp and dead:
+            raise merge_rank_errors([m.exit_error or RankExitedError(m.rank, None) for m in dead])
 
     def _spawn(self, placer: placement.Placer, r: int) -> _Member:
         ours, theirs = wire.socketpair()
@@ -709,7 +719,15 @@ class Session:
         if dead:
             raise merge_rank_errors([m.exit_error or RankExitedError(m.rank, None) for m in dead])
         rebuilt = self._rebuild()
+        self._raise_if_died_during(req)
         raise CollectiveError([m.rank for m in stuck], [m.rank for m in missing], f"dist.{op}", errors, rebuilt)
+
+    def _raise_if_died_during(self, req: int) -> None:
+        """A rank that died during call ``req`` (while its group was aborted or rebuilt, say) is
+        the news: its RankExitedError, not a collective error that says the group is broken."""
+        died = [m for m in self._members.values() if not m.alive and m.died_during == req]
+        if died:
+            raise merge_rank_errors([m.exit_error or RankExitedError(m.rank, None) for m in died])
 
     def _stop(self, members: list[_Member], req: int) -> None:
         """Interrupt every rank still running ``req``; unstick collectives; rebuild the group
@@ -875,6 +893,7 @@ class Session:
         code = m.process.exit_code(timeout=2.0)
         m.exit_error = RankExitedError(m.rank, code, m.process.death_detail())
         m.state = "dead"
+        m.died_during = self._current
         m.collective = None
         if m.answer is None:
             m.req = proto.NO_REQUEST
