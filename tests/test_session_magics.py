@@ -488,6 +488,18 @@ def test_a_killed_rank_fails_the_cell_shows_dead_and_restarts(dist):
     assert pids(dist)[0] != before[0]
 
 
+def test_the_stop_button_during_dist_restart_leaves_every_rank(dist):
+    # Before: an interrupt inside %dist_restart (between removing a rank and starting its
+    # successor) left a session without that rank: every later cell failed with KeyError: 1.
+    dist.ok("restart_keep = rank")
+    ran = dist.run("%%local\nfor _ in range(100):\n    get_ipython().run_line_magic('dist_restart', '1')",
+                   during=interrupt_when(dist, r"Restarted rank 1"))
+    assert ran.reply["content"]["ename"] == "KeyboardInterrupt", ran.outputs
+    assert dist.value("[(r.rank, r.state) for r in __import__('mpify_nb.magics.session').magics.session"
+                      ".session().status()]") == [(0, "idle"), (1, "idle")]
+    assert dist.ok("globals().get('restart_keep'), rank").shown() == ["[rank 0] (0, 0)\n[rank 1] (None, 1)"]
+
+
 def test_magics_are_listed_and_have_help(dist):
     listing = dist.ok("%lsmagic").shown()[0]
     for name in ("%dist_init", "%dist_mode", "%dist_push", "%dist_pull", "%sync", "%dist_status", "%dist_restart",
