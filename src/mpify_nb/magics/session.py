@@ -35,6 +35,7 @@ import shlex
 import sys
 from typing import Any, Callable, Optional, cast
 
+from ..errors import PayloadError
 from .auto import Piece, route, split_cell
 from .cells import CellSyntaxError, ends_with_semicolon, labelled, notebook_names_for, show_briefly
 
@@ -600,7 +601,7 @@ def session_magics_class() -> type:
             except TimeoutError as e:
                 show_briefly(e)
                 raise
-            except NameError as e:
+            except (NameError, PayloadError) as e:  # a pull's: the message says it all
                 show_briefly(e)
                 raise
 
