@@ -561,3 +561,28 @@ def test_a_rank_killed_as_the_group_is_rebuilt_is_named(monkeypatch):
             s.run("dist.all_reduce(t)", ranks=[0])  # rank 1 never joins: the group is aborted, rebuilt
         assert info.value.rank == 1 and info.value.signal_name == "SIGKILL"
         assert s.status()[1].state == "dead"
+
+
+def test_the_stop_button_during_close_leaves_nothing_open():
+    # Before: an interrupt inside close() (while it waited for a rank to be gone) left the rank's
+    # channels, pipes and pidfd, and the session's own, open for good: close() again did nothing.
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    Session(1, ddp=False).close()  # the template started, its reader thread's fds counted
+    before = open_fds()
+    interrupted = 0
+    for delay in (0.0005, 0.001, 0.002, 0.004):
+        s = Session(2)
+        idents = identities(s)
+        timer = threading.Timer(delay, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+        timer.start()
+        try:
+            s.close()
+            time.sleep(0.2)  # an interrupt that came after close() returned lands here
+        except KeyboardInterrupt:
+            interrupted += 1
+        timer.join()
+        assert s.closed and gone(idents)
+        assert open_fds() == before, delay
+    assert interrupted == 4

@@ -362,6 +362,10 @@ class Session:
         if not first:
             self._gone.wait()  # another thread is closing it: return when it is done
             return
+        # Done whole, as restart(): the stop button only notes that it was pressed (an interrupt
+        # half-way left rank fds and the relay open), and raises once every rank is gone.
+        interrupted = []
+        restore = _take_sigint(lambda: interrupted.append(True), self)
         try:
             # Killed before taking the lock: a call running in another thread then ends at once.
             for m in list(self._members.values()):
@@ -379,6 +383,9 @@ class Session:
                 self._relay.close(timeout=0)
         finally:
             self._gone.set()
+            restore()
+        if interrupted:
+            raise KeyboardInterrupt("interrupted, after the Session was closed")
 
     def _forget_in_child(self) -> None:
         """In a fork of the caller (a DataLoader worker of the notebook): drop our copies of the
