@@ -597,3 +597,32 @@ def modules_then_import(names: list) -> dict:
     for name in names:
         importlib.import_module(name)
     return held
+
+
+def long_line_then_sleep(size: int, seconds: float) -> int:
+    """Rank 1 writes ``size`` characters of JSON with no newline (``json.dump`` to stdout), then
+    every rank sleeps ``seconds``."""
+    if rank() == 1:
+        json.dump("x" * (size - 2), sys.stdout)
+        sys.stdout.flush()
+    time.sleep(seconds)
+    return rank()
+
+
+def time_arrays(rows: int) -> dict:
+    """Arrays of datetime64 and timedelta64 (numpy gives no buffer of them), a record array with a
+    datetime field, and a Fortran-ordered one: each of ``rows`` rows, over 1 MiB when rows >= 2**17."""
+    import numpy as np
+
+    stamps = np.datetime64("2026-01-01T00:00:00", "ns") + np.arange(rows) * np.timedelta64(1, "h")
+    records = np.zeros(rows, dtype=[("when", "M8[s]"), ("value", "f4")])
+    records["when"] = stamps.astype("M8[s]")
+    records["value"] = np.arange(rows)
+    return {"stamps": stamps, "gaps": np.diff(stamps), "records": records,
+            "grid": np.asfortranarray(stamps.reshape(-1, 4))}
+
+
+def describe_time_arrays(arrays: dict) -> dict:
+    """Each array's dtype, shape, Fortran order, and first and last values as text, on this rank."""
+    return {name: (a.dtype.str, a.shape, bool(a.flags.f_contiguous and not a.flags.c_contiguous),
+                   str(a.flat[0]), str(a.flat[-1])) for name, a in arrays.items()}

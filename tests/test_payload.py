@@ -342,3 +342,24 @@ def test_unpicklable_ctx():
     finally:
         ctx.conn.close()
 
+
+
+def test_datetime64_and_timedelta64_arrays_travel_both_ways_through_shared_memory():
+    # Before: numpy refuses a buffer of dtypes M and m, so an argument failed (PayloadError) and
+    # a result failed (RankRaisedError) once it reached the 1 MiB shared-memory threshold.
+    import numpy as np
+
+    arrays = hr.time_arrays(200_000)  # 1.6 MB of datetime64[ns], as a DataFrame's date_range column
+    data, fds = mpify_nb.payload.dumps(arrays)
+    try:
+        assert len(fds) == 4 and len(data) < 4096, "the arrays' bytes were pickled"
+    finally:
+        mpify_nb.payload.close_fds(fds)
+    expected = {name: (a.dtype.str, a.shape, name == "grid", str(a.flat[0]), str(a.flat[-1]))
+                for name, a in arrays.items()}
+    assert mpify_nb.ranch(2, hr.describe_time_arrays, arrays) == [expected, expected]
+    returned = mpify_nb.ranch(2, hr.time_arrays, 200_000)[1]
+    for name, a in returned.items():
+        assert a.dtype == arrays[name].dtype and np.array_equal(a, arrays[name]), name
+    assert returned["grid"].flags.f_contiguous
+    assert str(returned["stamps"][-1]) == "2048-10-25T07:00:00.000000000"

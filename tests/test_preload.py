@@ -131,6 +131,10 @@ def test_the_environment_variable_names_modules_and_turns_it_off(monkeypatch):
     ("cuda", "import torch\ntorch.cuda._initialized = True\n", "initializes CUDA"),
     ("thread", "import threading, time\nthreading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\n",
      "starts a thread"),
+    # A helper process every rank would hold the Popen of, while the template's reaper kills it.
+    ("process", "import subprocess, sys\n"
+                "helper = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(3600)'])\n",
+     "starts a process"),
 ])
 def test_a_module_that_would_make_forks_unsafe_is_left_out(tmp_path, monkeypatch, what, source, why):
     # Such a module makes its template unusable: it is dropped, and a template without it takes over.
@@ -146,3 +150,25 @@ def test_a_module_that_would_make_forks_unsafe_is_left_out(tmp_path, monkeypatch
     held_at_start([])
     assert held_at_start([name, mod]) == [{name: False, mod: True}] * 2
     assert why in preload.failed()[name]
+
+
+def test_a_module_only_the_notebook_imported_is_not_imported_again_in_the_template(tmp_path, monkeypatch):
+    # Before: the template preloaded what the notebook alone had imported, so its import-time side
+    # effects (here a log line; a helper process in the issue) ran a second time.
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    log = tmp_path / "imports.log"
+    name = f"mpify_noisy_{uuid.uuid4().hex[:8]}"
+    (site / f"{name}.py").write_text(f"with open({str(log)!r}, 'a') as f:\n    f.write('imported\\n')\n")
+    monkeypatch.syspath_prepend(str(site))
+    __import__(name)  # the notebook's own import
+    [mod] = unused(1)
+    try:
+        held_at_start([mod])
+        assert template.wait_preloaded(timeout=120)
+        held_at_start([])
+        assert held_at_start([mod]) == [{mod: True}] * 2  # what the ranks imported is preloaded
+        assert name not in template.get_template().holds()
+        assert log.read_text() == "imported\n"
+    finally:
+        sys.modules.pop(name, None)

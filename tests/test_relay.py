@@ -17,6 +17,7 @@ import pytest
 
 import helpers_ranks as hr
 import mpify_nb
+from mpify_nb import relay as relay_module
 
 nbutil = pytest.importorskip("nbutil")  # conftest puts tests/ on sys.path
 
@@ -160,3 +161,39 @@ def test_bars_of_other_ranks_are_labelled_lines_at_a_bounded_rate_outside_jupyte
         assert all("\r" not in ln for ln in mine), mine
         assert re.search(r"bar: 100%\|.*60/60", mine[-1]), mine
         assert 2 <= len(mine) <= 4, mine  # ~3 s of bar: 1 or 2 timed states, and the final one
+
+
+def test_a_long_line_without_its_end_is_shown_and_the_timeout_holds(monkeypatch):
+    # Before: the relay showed a partial line with a regular expression that backtracks
+    # quadratically over a line without its end, in C, holding the GIL: 60 kB held the call
+    # (its timeout, the stop button, every other thread) for ~50 s.
+    captured = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", captured)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        mpify_nb.ranch(2, hr.long_line_then_sleep, 60_000, 30, timeout=3)
+    took = time.monotonic() - start
+    monkeypatch.undo()
+    assert took < 8, f"the call took {took:.1f} s"
+    assert captured.getvalue() == '[rank 1] "' + "x" * 59_998 + '"\n'
+
+
+def test_relaying_is_linear_in_a_lines_length():
+    # Lines of 1, 4 and 16 MB without their end, fed 64 KiB at a time: each is shown once,
+    # whole and labelled, in time proportional to its size.
+    out = io.StringIO()
+    relay = relay_module.OutputRelay(out, io.StringIO())
+    fd = 1000  # no real fd: _emit is what the pipes feed
+    relay._pending[fd] = b""
+    relay._where[fd] = (1, 0)
+    times = []
+    for size in (1 << 20, 4 << 20, 16 << 20):
+        out.seek(0)
+        out.truncate()
+        start = time.perf_counter()
+        for _ in range(size // relay_module._CHUNK):
+            relay._emit(fd, (1, 0), b"y" * relay_module._CHUNK)
+        relay._emit(fd, (1, 0), b"\n")
+        times.append(time.perf_counter() - start)
+        assert out.getvalue() == "[rank 1] " + "y" * size + "\n"
+    assert times[2] < 40 * max(times[0], 0.02), times  # 16x the size: not 256x the time (before: 80x)

@@ -364,7 +364,7 @@ def test_a_figure_drawn_on_a_rank_is_shown_at_the_end_of_the_cell(session):
 
 
 def test_a_figure_is_shown_when_the_template_preloaded_matplotlib():
-    """A notebook that imported matplotlib teaches the template to preload it, with the
+    """A template that preloads matplotlib (named here; or learned from ranks) has it imported with the
     kernel's backend already read: a Session's rank must still draw into the cell."""
     pytest.importorskip("matplotlib")
     from mpify_nb import preload, template
@@ -431,3 +431,201 @@ def test_programs_a_rank_starts_read_end_of_file_from_stdin(session):
     forked = ("import os\npid = os.fork()\nif pid == 0:\n    import sys\n"
               "    os._exit(0 if sys.stdin.readline() == '' else 3)\nos.waitpid(pid, 0)[1] >> 8")
     assert session.run(forked, timeout=30) == {0: 0, 1: 0}
+
+
+def test_the_stop_button_during_restart_leaves_every_rank_a_member(session):
+    # Before: restart() removed the members before their successors existed; an interrupt
+    # 2-10 ms in left status() without them, and every later call failed with KeyError: 0.
+    session.run("kept = rank")
+    outcomes = []
+    for delay in (0.002, 0.004, 0.006, 0.008, 0.010, 0.03):
+        timer = threading.Timer(delay, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+        timer.start()
+        try:
+            session.restart([1])
+            time.sleep(0.2)  # an interrupt that came after restart() returned lands here
+            outcomes.append("done")
+        except KeyboardInterrupt:
+            outcomes.append("interrupted")
+        timer.join()
+        rows = session.status()
+        assert [r.rank for r in rows] == [0, 1], (delay, rows)
+        session.restart()  # whatever is dead (nothing, unless a start failed)
+        assert [r.state for r in session.status()] == ["idle", "idle"]
+        assert session.run("globals().get('kept'), rank") == {0: (0, 0), 1: (None, 1)}
+        assert session.run(ALL_REDUCE) == {0: [3.0, 3.0], 1: [3.0, 3.0]}
+    assert "interrupted" in outcomes, outcomes
+
+
+DISPLAY_THREAD = """
+import threading
+stop_displays = threading.Event()
+def keep_displaying():
+    i = 0
+    while not stop_displays.is_set():
+        display({"i": i, "pad": "d" * 50_000})
+        i += 1
+displayer = threading.Thread(target=keep_displaying, daemon=True)
+displayer.start()
+"""
+
+
+def test_display_from_a_rank_thread_keeps_the_channel_whole(session):
+    # Before: the thread's DISPLAY frames and the main thread's answers interleaved on the
+    # socket; within 25 calls the caller read garbage (UnicodeDecodeError, OverflowError,
+    # MemoryError from a bogus length) and declared the rank dead.
+    shown: list[tuple[int, int]] = []
+
+    def on_display(rank: int, bundle: dict) -> None:
+        shown.append((rank, len(bundle["text/plain"])))
+
+    session.run(DISPLAY_THREAD, display=on_display)
+    try:
+        for i in range(40):
+            assert session.run(f"'r' * 100_000 + str({i} + rank)", display=on_display) == \
+                {0: "r" * 100_000 + str(i), 1: "r" * 100_000 + str(i + 1)}
+    finally:
+        session.run("stop_displays.set()\ndisplayer.join()")
+    assert shown and all(length > 50_000 for _rank, length in shown)
+    assert [r.state for r in session.status()] == ["idle", "idle"]
+
+
+def test_a_corrupt_length_is_refused_before_anything_is_allocated():
+    from mpify_nb import wire
+
+    a, b = wire.socketpair()
+    with a, b:
+        a.sendall(wire._HEADER.pack(1 << 62, 0))
+        with pytest.raises(ConnectionError, match="corrupt message header"):
+            wire.recv(b)
+
+
+def test_datetime_arrays_push_pull_and_run_and_a_value_that_cannot_travel_raises(session):
+    # Before: a datetime64 array of 1 MiB or more could not be pushed, and pull/run handed back a
+    # RemoteRepr (a text stand-in) without saying so.
+    import numpy as np
+
+    from helpers_ranks import time_arrays
+
+    arrays = time_arrays(200_000)
+    session.push(**arrays)
+    assert session.run("str(stamps[-1]), gaps.dtype.str, records['when'][0].item().year") == \
+        {r: ("2048-10-25T07:00:00.000000000", "<m8[ns]", 2026) for r in (0, 1)}
+    session.run("import numpy as np\nstamps = stamps + np.timedelta64(rank, 'D')")
+    pulled = session.pull("stamps", rank=None)
+    assert [str(p[-1]) for p in pulled] == ["2048-10-25T07:00:00.000000000", "2048-10-26T07:00:00.000000000"]
+    assert np.array_equal(session.pull("records"), arrays["records"])
+    assert str(session.run("stamps", ranks=[1])[1][0]) == "2026-01-02T00:00:00.000000000"
+
+
+def test_pulling_a_value_that_cannot_be_pickled_raises(session):
+    # Before: pull handed back a RemoteRepr (a text stand-in) without saying so. A generator
+    # cannot be pickled: pull says so; a cell's shown value may still be its repr.
+    from mpify_nb import PayloadError
+    from mpify_nb.session_rank import RemoteRepr
+
+    session.run("g = (i for i in range(3))")
+    with pytest.raises(PayloadError, match=r"cannot pull 'g' from rank 0: .*generator"):
+        session.pull("g")
+    shown = session.run("g", ranks=[0])[0]
+    assert isinstance(shown, RemoteRepr) and repr(shown).startswith("<generator object <genexpr>")
+
+
+STUCK_VALUE = """
+import threading
+class PicklesForever:
+    def __reduce__(self):
+        threading.Event().wait()  # never set
+stuck_value = PicklesForever()
+"""
+
+
+def test_a_value_that_never_finishes_pickling_is_interrupted_like_user_code(session):
+    # Before: results were pickled where interrupts are ignored: the call raised TimeoutError
+    # after 8 s saying the ranks "were interrupted", but both stayed running and every later
+    # call timed out (or hung).
+    session.run(STUCK_VALUE)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"they were interrupted, their state is kept$"):
+        session.run("stuck_value", timeout=2)
+    assert time.monotonic() - start < 6
+    assert [r.state for r in session.status()] == ["idle", "idle"]
+    assert session.run("rank", timeout=5) == {0: 0, 1: 1}
+    # pull and the stop button (interrupt()) likewise.
+    timer = threading.Timer(0.5, session.interrupt)
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        session.pull("stuck_value")
+    timer.join()
+    assert session.run(ALL_REDUCE, timeout=5) == {0: [3.0, 3.0], 1: [3.0, 3.0]}
+
+
+def test_a_timeout_says_which_ranks_did_not_stop():
+    from mpify_nb.session import _timed_out
+
+    assert _timed_out(3, [0, 1], []).endswith("they were interrupted, their state is kept")
+    assert "ranks [1] did not stop" in _timed_out(3, [0, 1], [1]) and "restart([1])" in _timed_out(3, [0, 1], [1])
+
+
+def test_template_shutdown_spares_an_open_sessions_ranks():
+    # Before: template.shutdown() (which the README suggests to free ~220 MB) killed every rank
+    # of an open Session: they are forked from it and die with it.
+    from mpify_nb import template
+
+    with Session(2) as s:
+        before = identities(s)
+        template_pid = template.current_pid()
+        with pytest.warns(RuntimeWarning, match="still has 2 live ranks"):
+            assert template.shutdown() is False
+        assert s.run(ALL_REDUCE) == {0: [3.0, 3.0], 1: [3.0, 3.0]}
+        assert identities(s) == before and start_time(template_pid) is not None
+    deadline = time.monotonic() + 10
+    while start_time(template_pid) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert start_time(template_pid) is None, "the retired template outlived the Session's ranks"
+    assert template.shutdown() is True
+    assert mpify_nb.ranch(2, lambda: 1) == [1, 1]
+
+
+def test_a_rank_killed_as_the_group_is_rebuilt_is_named(monkeypatch):
+    # Before: CollectiveError "... the process group is broken", which did not say rank 1 died.
+    rebuild = Session._rebuild
+
+    def kill_rank_1_then_rebuild(self: Session) -> bool:
+        victim = self._members[1]
+        if victim.alive:
+            os.kill(victim.pid, signal.SIGKILL)
+        return rebuild(self)
+
+    with Session(2) as s:
+        s.run("t = torch.ones(1)")
+        monkeypatch.setattr(Session, "_rebuild", kill_rank_1_then_rebuild)
+        with pytest.raises(RankExitedError) as info:
+            s.run("dist.all_reduce(t)", ranks=[0])  # rank 1 never joins: the group is aborted, rebuilt
+        assert info.value.rank == 1 and info.value.signal_name == "SIGKILL"
+        assert s.status()[1].state == "dead"
+
+
+def test_the_stop_button_during_close_leaves_nothing_open():
+    # Before: an interrupt inside close() (while it waited for a rank to be gone) left the rank's
+    # channels, pipes and pidfd, and the session's own, open for good: close() again did nothing.
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    Session(1, ddp=False).close()  # the template started, its reader thread's fds counted
+    before = open_fds()
+    interrupted = 0
+    for delay in (0.0005, 0.001, 0.002, 0.004):
+        s = Session(2)
+        idents = identities(s)
+        timer = threading.Timer(delay, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+        timer.start()
+        try:
+            s.close()
+            time.sleep(0.2)  # an interrupt that came after close() returned lands here
+        except KeyboardInterrupt:
+            interrupted += 1
+        timer.join()
+        assert s.closed and gone(idents)
+        assert open_fds() == before, delay
+    assert interrupted == 4

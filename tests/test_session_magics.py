@@ -373,6 +373,21 @@ def test_push_and_pull(dist):
     assert not missing.ok and "name 'never_defined_anywhere' is not defined on rank 0" in missing.error_text()
 
 
+def test_pull_brings_the_real_value_or_fails_leaving_the_notebooks_name_alone(dist):
+    # Before: %dist_pull of a generator put a RemoteRepr (a text stand-in) into the notebook's
+    # name, and a datetime64 array of 1 MiB or more could not come back at all.
+    dist.ok("%%local\npulled_gen = 'the notebook keeps this'")
+    dist.ok("pulled_gen = (i for i in range(3))\n"
+            "import numpy as np\npulled_hours = np.arange(200_000).astype('datetime64[h]').astype('M8[ns]')")
+    ran = dist.fails("%dist_pull pulled_gen", "PayloadError")
+    text = ran.error_text()
+    assert text.startswith("PayloadError: cannot pull 'pulled_gen' from rank 0") and "generator" in text, text
+    assert dist.value("pulled_gen") == "the notebook keeps this"
+    dist.ok("%dist_pull pulled_hours --rank 1")
+    assert dist.value("(str(pulled_hours.dtype), str(pulled_hours[-1]))") == (
+        "datetime64[ns]", "1992-10-25T07:00:00.000000000")
+
+
 def test_status_and_sync(dist):
     ran = dist.ok("%dist_status")
     [bundle] = [o.data for o in ran.outputs if o.output_type == "display_data"]
@@ -599,6 +614,18 @@ def test_a_killed_rank_fails_the_cell_shows_dead_and_restarts(dist):
     # A named rank is replaced even though it is alive.
     dist.ok("%dist_restart 0")
     assert pids(dist)[0] != before[0]
+
+
+def test_the_stop_button_during_dist_restart_leaves_every_rank(dist):
+    # Before: an interrupt inside %dist_restart (between removing a rank and starting its
+    # successor) left a session without that rank: every later cell failed with KeyError: 1.
+    dist.ok("restart_keep = rank")
+    ran = dist.run("%%local\nfor _ in range(100):\n    get_ipython().run_line_magic('dist_restart', '1')",
+                   during=interrupt_when(dist, r"Restarted rank 1"))
+    assert ran.reply["content"]["ename"] == "KeyboardInterrupt", ran.outputs
+    assert dist.value("[(r.rank, r.state) for r in __import__('mpify_nb.magics.session').magics.session"
+                      ".session().status()]") == [(0, "idle"), (1, "idle")]
+    assert dist.ok("globals().get('restart_keep'), rank").shown() == ["[rank 0] (0, 0)\n[rank 1] (None, 1)"]
 
 
 def test_magics_are_listed_and_have_help(dist):

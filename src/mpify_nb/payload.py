@@ -66,7 +66,8 @@ _MAIN_CLASS_TAG = "mpify_nb.main_class"
 #   big view of a much bigger storage         ->  its own bytes only (a compact copy)
 #   small view of a big storage               ->  pickled as a compact copy (torch would
 #                                                 pickle the whole storage)
-#   big numpy array (no Python objects)       ->  its bytes, C or Fortran order kept
+#   big numpy array (no Python objects)       ->  its bytes, C or Fortran order kept (any dtype:
+#                                                 datetime64 too, viewed as bytes and back)
 #   anything else                             ->  plain pickle
 
 class _Pickler(dill.Pickler):
@@ -135,7 +136,8 @@ class _Pickler(dill.Pickler):
     def _array_id(self, numpy, a) -> tuple:
         fortran = a.flags.f_contiguous and not a.flags.c_contiguous
         source = a.T if fortran else a if a.flags.c_contiguous else numpy.ascontiguousarray(a)
-        fds = self._memfds_of(memoryview(source).cast("B"))
+        # As bytes: numpy gives no buffer of some dtypes (datetime64, timedelta64, records with them).
+        fds = self._memfds_of(memoryview(source.reshape(-1).view(numpy.uint8)).cast("B"))
         return (_ARRAY_TAG, len(self._objects), self._add_fds(fds), a.dtype.str if a.dtype.names is None else a.dtype,
                 a.shape, fortran)
 

@@ -6,13 +6,13 @@ fork-based launcher (``notebook_launcher``, ``ddp_notebook``) inherits those mod
 the notebook for free. So the template comes to hold them too::
 
     rank (end of call)  -- IMPORTED [(name, file)...] -->  caller: learn()   modules it imported
-    caller (end of call)                                   + notebook_modules()  what the notebook imported
         wanted() - what the template holds - what failed before
           |  non-empty
           v
     template.refresh(): a fresh template starts in the background, imports them one by one
-        (a module that fails is skipped and remembered; one that initializes CUDA or starts
-        a Python thread makes that template unusable: it is remembered and left out next time)
+        (a module that fails is skipped and remembered; one that initializes CUDA, starts
+        a Python thread or leaves a child process running makes that template unusable: it
+        is remembered and left out next time)
           |  ready
           v
     the next call's get_template() swaps it in; the old one ends once its ranks are gone
@@ -21,6 +21,10 @@ The current call never waits for it. Only modules installed under a ``site-packa
 (or ``dist-packages``) directory or in the standard library are ever preloaded, never a
 module from the notebook's working directory (the user edits those; a rank must import
 their current version). Names given with ``set_preload`` (template.py) are preloaded too.
+
+Only what the ranks imported, never what only the notebook imported: a module's import runs
+its side effects (a log line, a helper process, a file written) once more, in the template,
+and that is harmless only for a module every rank imports anyway.
 
 Turn it off with ``set_preload(False)`` or ``MPIFY_NB_PRELOAD=0``; name modules with
 ``set_preload(["transformers.trainer"])`` or ``MPIFY_NB_PRELOAD=transformers.trainer,lightning``.
@@ -35,18 +39,6 @@ import sysconfig
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Optional, Union
-
-#: Top-level packages of the notebook's own machinery: imported by the kernel, never by a rank.
-NOTEBOOK_MACHINERY = frozenset({
-    "IPython", "ipykernel", "ipykernel_launcher", "jupyter_client", "jupyter_core", "zmq", "tornado",
-    "traitlets", "comm", "debugpy", "prompt_toolkit", "jedi", "parso", "pygments", "matplotlib_inline",
-    "ipywidgets", "widgetsnbextension", "jupyterlab_widgets", "nest_asyncio", "pexpect", "ptyprocess",
-    "pickleshare", "stack_data", "executing", "asttokens", "pure_eval", "decorator", "wcwidth",
-    "nbclient", "nbformat", "pytest", "_pytest", "pluggy", "iniconfig", "pip", "setuptools",
-    "pkg_resources", "_distutils_hack", "mpify_nb", "platformdirs", "psutil", "tkinter", "idlelib",
-    "turtle", "turtledemo", "this", "antigravity", "webbrowser", "pdb", "bdb", "pydoc", "ensurepip",
-    "venv", "lib2to3", "unittest", "doctest",
-})
 
 _lock = threading.Lock()
 _enabled = True
@@ -104,18 +96,6 @@ def learn(modules: Iterable[tuple[str, Optional[str]]], cwd: Optional[str] = Non
                 _learned[name] = None
 
 
-def notebook_modules(cwd: Optional[str] = None) -> list[str]:
-    """The installed modules this process (the notebook) has imported, but not its own machinery."""
-    roots = _Roots(cwd)
-    names = []
-    for name, module in list(sys.modules.items()):
-        if module is None or name.partition(".")[0] in NOTEBOOK_MACHINERY or not _wanted_name(name):
-            continue
-        if roots.installed(getattr(module, "__file__", None)):
-            names.append(name)
-    return names
-
-
 def wanted(cwd: Optional[str] = None) -> list[str]:
     """Every module the next template should hold (in a good import order), or [] when off."""
     if not _enabled:
@@ -124,7 +104,7 @@ def wanted(cwd: Optional[str] = None) -> list[str]:
         learned = list(_learned)
         named = list(_named)
         failed_now = set(_failed)
-    names = dict.fromkeys(named + notebook_modules(cwd) + learned)
+    names = dict.fromkeys(named + learned)
     return [n for n in names if n not in failed_now]
 
 

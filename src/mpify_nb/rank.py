@@ -100,7 +100,7 @@ def main(channel_fd: int, expected_parent: int) -> None:
     wire.send(channel, READY)
     if wire.recv(channel) is None:  # no GO: the caller gave up (another rank failed to load)
         process.end(0)
-    rank_stdin.install(lambda token: _send(channel, ASK + pickle.dumps(token)))
+    rank_stdin.install(lambda token: wire.send(channel, ASK + pickle.dumps(token)))
     rank_stdin.install_breakpointhook()
     threading.Thread(target=_watch_caller, args=(channel,), name="mpify_nb-watchdog", daemon=True).start()
     try:
@@ -127,7 +127,7 @@ def main(channel_fd: int, expected_parent: int) -> None:
     process.flush_stdio()  # everything printed reaches the caller before the value does
     _report_imports(channel)
     try:
-        _send(channel, VALUE + data, fds)
+        wire.send(channel, VALUE + data, fds)
     except OSError:
         pass  # the caller is gone; nothing to report to
     process.end(0)
@@ -165,7 +165,7 @@ def _send_failure(channel, exc: BaseException, context: str = "") -> None:
     process.flush_stdio()
     _report_imports(channel)
     try:
-        _send(channel, ERROR + pickle.dumps(failure))
+        wire.send(channel, ERROR + pickle.dumps(failure))
     except OSError:
         pass
 
@@ -176,18 +176,9 @@ def _report_imports(channel) -> None:
         news = [(name, getattr(module, "__file__", None)) for name, module in list(sys.modules.items())
                 if name not in _born_with and module is not None]
         if news:
-            _send(channel, IMPORTED + pickle.dumps(news))
+            wire.send(channel, IMPORTED + pickle.dumps(news))
     except Exception:
         pass  # only a speed-up is lost
-
-
-#: The main thread sends the answer, any thread an ASK for input: one whole message at a time.
-_send_lock = threading.Lock()
-
-
-def _send(channel: socket.socket, data: bytes, fds=()) -> None:
-    with _send_lock:
-        wire.send(channel, data, fds)
 
 
 def _watch_caller(channel: socket.socket) -> None:
@@ -202,7 +193,7 @@ def _watch_caller(channel: socket.socket) -> None:
                 if message[0][:1] == ANSWER:
                     rank_stdin.deliver(*pickle.loads(message[0][1:]))
             elif rank_stdin.raw_read_waiting():
-                _send(channel, ASK + pickle.dumps(rank_stdin.RAW))
+                wire.send(channel, ASK + pickle.dumps(rank_stdin.RAW))
     except (OSError, EOFError):
         pass
     # The caller closed its end: it is gone, or it gave up on this call.

@@ -136,6 +136,8 @@ class _Member:
         self.exit_error: Optional[RankExitedError] = None
         self.start_failure: Optional[RemoteFailure] = None
         self.control_theirs: Optional[socket.socket] = None  # the rank's end, until sent
+        self.buried = False  # its process is gone and its fds are closed
+        self.died_during = proto.NO_REQUEST  # the call running when it died
 
     @property
     def pid(self) -> int:
@@ -288,7 +290,8 @@ class Session:
 
     def pull(self, name: str, rank: Optional[int] = 0) -> Any:
         """The value of ``name`` on ``rank``; ``rank=None``: a list of every rank's, by rank.
-        A name a rank lacks raises ``NameError`` naming the rank.
+        A name a rank lacks raises ``NameError`` naming the rank; a value that cannot be
+        pickled (a generator, an open file) raises ``PayloadError``.
 
         >>> s.pull("loss")            # rank 0's
         >>> s.pull("loss", rank=None) # [rank 0's, rank 1's, ...]
@@ -298,9 +301,11 @@ class Session:
             values = self._call(proto.PULL, pickle.dumps(name), [], targets, None, None, None)
         except RankError as e:
             cause = e.__cause__
+            who = f"rank {e.ranks[0]}" if len(e.ranks) == 1 else f"ranks {e.ranks}"
             if isinstance(cause, NameError):
-                who = f"rank {e.ranks[0]}" if len(e.ranks) == 1 else f"ranks {e.ranks}"
                 raise NameError(f"name {name!r} is not defined on {who}") from None
+            if isinstance(cause, PayloadError):  # it cannot be pickled: no stand-in comes back
+                raise PayloadError(f"cannot pull {name!r} from {who}: {cause}") from None
             raise
         return values[rank] if rank is not None else [values[r] for r in sorted(values)]
 
@@ -369,9 +374,21 @@ class Session:
                 else self._targets(ranks)
             if not targets:
                 return
-            for r in targets:
-                self._bury(self._members.pop(r))
-            self._start(targets)
+            self._raise_if_others_dead(targets)  # restart those too, or the group cannot form
+            # Either done or not begun: the stop button only sets a flag while ranks are replaced
+            # (a KeyboardInterrupt between burying the old ones and starting their successors left
+            # a session without those ranks). It takes effect once the restart is done.
+            with self._flag_lock:
+                self._interrupt_asked = False
+            restore = _take_sigint(self._on_sigint, self)
+            try:
+                for r in targets:
+                    self._bury(self._members[r])  # stays a member, dead, until its successor exists
+                self._start(targets)
+            finally:
+                restore()
+            if self._interrupt_asked:
+                raise KeyboardInterrupt(f"interrupted, after ranks {targets} were restarted")
 
     def close(self) -> None:
         """End every rank; when this returns their processes are gone. Idempotent."""
@@ -381,6 +398,10 @@ class Session:
         if not first:
             self._gone.wait()  # another thread is closing it: return when it is done
             return
+        # Done whole, as restart(): the stop button only notes that it was pressed (an interrupt
+        # half-way left rank fds and the relay open), and raises once every rank is gone.
+        interrupted = []
+        restore = _take_sigint(lambda: interrupted.append(True), self)
         try:
             # Killed before taking the lock: a call running in another thread then ends at once.
             for m in list(self._members.values()):
@@ -398,6 +419,9 @@ class Session:
                 self._relay.close(timeout=0)
         finally:
             self._gone.set()
+            restore()
+        if interrupted:
+            raise KeyboardInterrupt("interrupted, after the Session was closed")
 
     def _forget_in_child(self) -> None:
         """In a fork of the caller (a DataLoader worker of the notebook): drop our copies of the
@@ -447,6 +471,7 @@ class Session:
         deadline = time.monotonic() + 5.0
         while any(m.alive and m.aborts > 0 for m in self._members.values()) and time.monotonic() < deadline:
             self._pump(0.05)
+        self._raise_if_others_dead(ranks)
         live_old = [m for m in self._members.values() if m.alive and m.rank not in ranks]
         host = min([m.rank for m in live_old] + ranks)  # the rank that hosts the store
         placer = self._placer
@@ -458,9 +483,9 @@ class Session:
             port = listener.getsockname()[1]
         else:  # on a Ray node the host binds it itself
             port = placer.store_port() if self.ddp else 0
+        new: list[_Member] = []
         try:
             common = {"cwd": os.getcwd(), "sys_path": list(sys.path), "argv": list(sys.argv)}
-            new = []
             for r in ranks:
                 m = self._spawn(placer, r)  # the host first: its node is known once it is placed (again)
                 new.append(m)
@@ -482,10 +507,21 @@ class Session:
                     body = pickle.dumps((self._layout.nodes[host], port, m.rank == host))
                     self._send_request(m, proto.GROUP, req, body,
                                        [listener.fileno()] if listener and m.rank == host else [], None)
+        except BaseException:
+            for m in new:  # a rank that could not be started: a dead member, never a missing one
+                self._bury(m)
+            raise
         finally:
             if listener is not None:
                 listener.close()  # the host rank holds it now
         self._wait_started(new, live_old, req)
+
+    def _raise_if_others_dead(self, ranks: list[int]) -> None:
+        """With ddp, a group of every rank cannot form while a rank other than ``ranks`` (those
+        being started) is dead: its survivors would wait in the rendezvous until it times out."""
+        dead = [m for m in self._members.values() if not m.alive and m.rank not in ranks]
+        if self.ddp and dead:
+            raise merge_rank_errors([m.exit_error or RankExitedError(m.rank, None) for m in dead])
 
     def _spawn(self, placer: placement.Placer, r: int) -> _Member:
         ours, theirs = wire.socketpair()
@@ -541,20 +577,28 @@ class Session:
         # Some rank could not start or join: nothing half-built stays behind.
         errors: list[RankError] = []
         for m in failed:
+            error: Optional[RankError] = None
             if m.exit_error is not None:
-                errors.append(m.exit_error)
+                error = m.exit_error
             elif m.start_failure is not None:
-                errors.append(m.start_failure.to_error(m.rank, payload.loads))
+                error = m.start_failure.to_error(m.rank, payload.loads)
             elif m.answer is not None:
-                errors.append(_failure_of(m))
-        for m in new:
+                error = _failure_of(m)
+            if error is not None:
+                errors.append(error)
+                if m in new and m.exit_error is None:
+                    m.exit_error = RankExitedError(m.rank, None, f"it could not start: {error}")
+        for m in new:  # dead members, each with why: restart() tries them again
             m.process.kill()
-            self._bury(self._members.pop(m.rank))
+            self._bury(m)
         self._group_broken = True
         raise merge_rank_errors(errors)
 
     def _bury(self, m: _Member) -> None:
-        """Make sure ``m``'s process is gone, then let go of everything that was its."""
+        """Make sure ``m``'s process is gone, then let go of everything that was its (once)."""
+        if m.buried:
+            return
+        m.buried = True
         m.process.kill()
         if not m.process.wait_gone(5.0):
             pass  # its template died with it, or the kernel is slow: the pidfd says nothing more
@@ -657,10 +701,10 @@ class Session:
                 wait = None if deadline is None or self._prompter.waiting else (
                     deadline + self._prompter.waited() - now)
                 if wait is not None and wait <= 0:
+                    assert timeout is not None  # a deadline comes from it
                     running = [m.rank for m in members if m.req == req]
                     self._stop(members, req)
-                    raise TimeoutError(f"the call did not finish within {timeout:g} s (ranks still running: "
-                                       f"{running}); they were interrupted, their state is kept")
+                    raise TimeoutError(_timed_out(timeout, running, [m.rank for m in members if m.req == req]))
                 if self.ddp:
                     self._watch_recorders(req)
                     stuck, missing = self._stuck(req)
@@ -760,8 +804,16 @@ class Session:
         if dead:
             raise merge_rank_errors([m.exit_error or RankExitedError(m.rank, None) for m in dead])
         rebuilt = self._rebuild()
+        self._raise_if_died_during(req)
         raise CollectiveError([m.rank for m in stuck], [m.rank for m in missing], _describe(waiting),
                               errors, rebuilt)
+
+    def _raise_if_died_during(self, req: int) -> None:
+        """A rank that died during call ``req`` (while its group was aborted or rebuilt, say) is
+        the news: its RankExitedError, not a collective error that says the group is broken."""
+        died = [m for m in self._members.values() if not m.alive and m.died_during == req]
+        if died:
+            raise merge_rank_errors([m.exit_error or RankExitedError(m.rank, None) for m in died])
 
     def _stop(self, members: list[_Member], req: int) -> None:
         """Interrupt every rank still running ``req``; unstick collectives; rebuild the group
@@ -938,6 +990,7 @@ class Session:
                                        f"Its Python state is lost; {self.restart_how} starts a fresh rank {m.rank} "
                                        "and rebuilds the group (the other ranks keep their state).")
         m.state = "dead"
+        m.died_during = self._current
         m.waits = []
         if m.answer is None:
             m.req = proto.NO_REQUEST
@@ -1033,6 +1086,16 @@ def _check_timeout(timeout: Optional[float]) -> None:
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                 or timeout <= 0):
         raise ValueError(f"timeout must be a positive number of seconds or None, not {timeout!r}")
+
+
+def _timed_out(timeout: float, running: list[int], still: list[int]) -> str:
+    """What a call that ran out of time did to the ranks that were still running it."""
+    message = f"the call did not finish within {timeout:g} s (ranks still running: {running}); "
+    if not still:
+        return message + "they were interrupted, their state is kept"
+    return message + (f"they were interrupted, but ranks {still} did not stop (C code that ignores "
+                      f"interrupts?): they still run it, later calls wait for them, and "
+                      f"restart({still}) replaces them")
 
 
 def _wants_value(source: str) -> bool:

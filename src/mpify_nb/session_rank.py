@@ -45,7 +45,7 @@ import time
 from typing import Any, NoReturn, Optional
 
 from . import groups, payload, process, rank_display, rank_stdin, waits, wire
-from .errors import RemoteFailure, safe_str
+from .errors import PayloadError, RemoteFailure, safe_str
 
 # -- the protocol (both directions: a kind byte, a request id, a body) ----------------------
 
@@ -81,6 +81,8 @@ class _State:
         self.lock = threading.Lock()
         self.request = NO_REQUEST  # the request the main thread runs now
         self.in_user_code = False  # SIGINT raises KeyboardInterrupt only then
+        self.deferring = False  # the user's code sends a message: an interrupt waits for its end
+        self.deferred = False  # an interrupt came meanwhile
         self.main_ident = threading.get_ident()
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
 
@@ -95,7 +97,7 @@ def serve(channel: socket.socket, config: dict, fds: list[int]) -> NoReturn:
     signal.signal(signal.SIGINT, lambda signum, frame: _on_sigint(state))
     threading.Thread(target=_control_loop, args=(control, state), name="mpify_nb-control", daemon=True).start()
     ready: dict = {}
-    rank_display.install(lambda bundle: _send(channel, pack(DISPLAY, state.request, pickle.dumps(bundle))))
+    rank_display.install(lambda bundle: _send_display(channel, state, bundle))
     rank_stdin.install(lambda token: _send(channel, pack(ASK, state.request, pickle.dumps(token))))
     rank_stdin.install_breakpointhook()
     namespace["display"] = rank_display.display
@@ -143,20 +145,35 @@ def _flush_c_stdio() -> None:
         pass
 
 
-#: Any thread may send (a display, an ASK for input): one whole message at a time.
-_send_lock = threading.Lock()
-
-
 def _send(channel: socket.socket, data: bytes, fds=()) -> None:
     try:
-        with _send_lock:
-            wire.send(channel, data, fds)
+        wire.send(channel, data, fds)  # whole, whichever thread sends (a display, an ASK for input)
     except OSError:
         pass  # the caller is gone; the control thread ends us
 
 
 def _on_sigint(state: _State) -> None:
     if state.in_user_code:
+        raise KeyboardInterrupt
+    if state.deferring:
+        state.deferred = True
+
+
+def _send_display(channel: socket.socket, state: _State, bundle: dict) -> None:
+    """``display()`` in the user's code, from any thread: one DISPLAY message, sent whole
+    (wire.send serializes the threads). On the main thread an interrupt would cut it in
+    half, leaving the caller a corrupt channel: it is raised once the message is out."""
+    data = pack(DISPLAY, state.request, pickle.dumps(bundle))
+    if threading.get_ident() != state.main_ident or not state.in_user_code:
+        _send(channel, data)
+        return
+    state.in_user_code, state.deferring, state.deferred = False, True, False
+    try:
+        _send(channel, data)
+    finally:
+        state.in_user_code, state.deferring = True, False
+    if state.deferred:
+        state.deferred = False
         raise KeyboardInterrupt
 
 
@@ -372,6 +389,21 @@ def _handle(kind: bytes, req_id: int, body, fds: list[int], namespace: dict, sta
             value = None
         else:
             raise RuntimeError(f"unknown request {kind!r}")
+        meta = _meta()
+        if value is None and meta["gpu_memory"] is None:
+            payload.close_fds(fds)
+            return pack(DONE, req_id), []  # the common case, without pickling anything
+        # Pickling runs the value's own code (__reduce__, __getstate__), which may block: it is
+        # interrupted like the user's code, by the stop button and by timeout=.
+        try:
+            data, out_fds = _in_user_code(state, payload.pack_result, (value, meta))
+        except Exception as e:
+            if kind != RUN:  # pull, apply: the real value or an error, never a stand-in
+                raise PayloadError(f"rank {namespace.get('rank')} cannot send back "
+                                   f"{_what(kind, body)} ({type(value).__name__}): "
+                                   f"{type(e).__name__}: {safe_str(e)}") from None
+            # A cell's value, to be shown (a generator, an open file...): its repr tells what it is.
+            data, out_fds = payload.pack_result((RemoteRepr(_safe_repr(value)), meta))
     except BaseException as e:
         payload.close_fds(fds)
         interrupted = isinstance(e, KeyboardInterrupt)
@@ -381,15 +413,17 @@ def _handle(kind: bytes, req_id: int, body, fds: list[int], namespace: dict, sta
                 sys.last_exc = e
         return pack(FAIL, req_id, pickle.dumps((_capture(e), interrupted, _meta()))), []
     payload.close_fds(fds)
-    meta = _meta()
-    if value is None and meta["gpu_memory"] is None:
-        return pack(DONE, req_id), []  # the common case, without pickling anything
-    try:
-        data, out_fds = payload.pack_result((value, meta))
-    except BaseException:
-        # Not picklable (a generator, an open file...): its repr still tells the user what it is.
-        data, out_fds = payload.pack_result((RemoteRepr(_safe_repr(value)), meta))
     return pack(DONE, req_id, data), out_fds
+
+
+def _what(kind: bytes, body) -> str:
+    """What a request's value is, for an error: ``'x'`` for a pull of x."""
+    if kind == PULL:
+        try:
+            return repr(pickle.loads(body))
+        except Exception:
+            pass
+    return "the value"
 
 
 def _in_user_code(state: _State, fn, *args, **kwargs):

@@ -33,7 +33,7 @@ all of them; the current one keeps serving meanwhile::
                                                    ("trying" name, ... READY failed)
     get_template(): candidate READY  -> it becomes the template; the old one retires
                                         (ends once its last rank has exited)
-                    candidate rejected (CUDA, thread) or died -> the module is
+                    candidate rejected (CUDA, thread, process) or died -> the module is
                                         remembered as failed; refresh() again
 """
 
@@ -145,8 +145,9 @@ def serve(control_fd: int) -> None:
 
 def _preload(control: socket.socket) -> dict[str, str]:
     """Import the modules the caller asks for (its first message), one by one; return those that
-    failed, with why. A module that initializes CUDA or starts a Python thread would make every
-    fork of us unsafe: we report it and leave, and the caller starts over without it."""
+    failed, with why. A module that initializes CUDA, starts a Python thread or leaves a child
+    process running would make every fork of us unsafe: we report it and leave, and the caller
+    starts over without it."""
     import importlib
 
     message = wire.recv(control)
@@ -180,8 +181,13 @@ def _preload(control: socket.socket) -> dict[str, str]:
                 why = "it initializes CUDA at import"
             elif threading.active_count() > 1:
                 why = "it starts a thread at import"
+            elif process.children_of(os.getpid()):
+                # Every rank would hold its Popen, yet it is the template's child: the template's
+                # reaper would kill it under them.
+                why = "it starts a process at import"
             if why:
                 _tell(control, "rejected", name, why)
+                process.kill_descendants(reap=False)  # what it started goes with us
                 os._exit(0)
     finally:
         for fd, saved_fd in zip((1, 2), saved):
@@ -306,6 +312,11 @@ class TemplateClient:
             found = self._has.pop(request_id, [])
         self._held.update(found)
         return [n for n in names if n not in self._held]
+
+    def live_ranks(self) -> list[int]:
+        """The pids of the ranks it forked that have not exited."""
+        with self._cond:
+            return sorted(self._live)
 
     def retire(self) -> None:
         """Stop it once the ranks it forked are gone (they die with it): now if there are none."""
@@ -578,15 +589,16 @@ def drop_preloaded() -> None:
 def set_preload(modules: Union[bool, Sequence[str]] = True) -> None:
     """Choose what the template that ranks are forked from holds, besides torch and numpy.
 
-    ``True`` (the default): the installed modules ranks imported in earlier calls and those
-    the notebook imported are preloaded by a fresh template, started in the background and
-    used from the first call after it is ready. A list of module names: those too, from now
+    ``True`` (the default): the installed modules ranks imported in earlier calls are
+    preloaded by a fresh template, started in the background and used from the first call
+    after it is ready (what only the notebook imported is not: its import-time side effects
+    would run once more). A list of module names: those too, from now
     on. ``False``: nothing more than torch and numpy (ranks import the rest on every call);
     the next call starts from a template without anything preloaded.
 
     Preloading never imports a module from the notebook's working directory or from outside
     ``site-packages``/the standard library, and leaves out a module that fails to import, that
-    initializes CUDA or that starts a thread at import.
+    initializes CUDA, or that starts a thread or a process at import.
 
     Example (a notebook cell)::
 
@@ -614,15 +626,31 @@ def current_pid() -> Optional[int]:
     return client.pid if client is not None and client.alive() else None
 
 
-def shutdown() -> None:
+def shutdown() -> bool:
+    """Stop the template to free its memory (about 220 MB); the next call starts a new one.
+
+    Ranks forked from it die with it, so while some live (an open Session's, a call running on
+    another thread) it is not stopped: it ends once they have exited, and a RuntimeWarning says
+    so. Returns True when it is gone now."""
     global _client, _candidate
     with _lock:
         if _candidate is not None:
             _candidate.close()
             _candidate = None
-        if _client is not None:
-            _client.close()
-            _client = None
+        client, _client = _client, None
+    if client is None:
+        return True
+    live = client.live_ranks()
+    if not live:
+        client.close()
+        return True
+    client.retire()
+    import warnings
+
+    warnings.warn(f"mpify_nb.template.shutdown(): the template (pid {client.pid}) still has {len(live)} live "
+                  "ranks (an open Session's, or a call's): it ends when they do, so close the Session to free "
+                  "its memory", RuntimeWarning, stacklevel=2)
+    return False
 
 
 def _process_state(pid: int) -> Optional[str]:

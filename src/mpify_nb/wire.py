@@ -11,6 +11,12 @@ at most 253 of them (SCM_MAX_FD), so the rest follow in batches, each on a
 one-byte marker sent between the header and the payload::
 
     header (length, nfds) + fds[0:253] | marker + fds[253:506] | ... | payload
+
+Threads of one process may send on the same socket (a rank's thread that calls
+``display()`` while its main thread answers a call): each message is written whole
+under that socket's lock, never interleaved with another. A header read back is checked
+before anything is allocated for it: a length beyond this machine's memory, or more fds
+than a process may hold, means the channel is corrupt (ConnectionError).
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import threading
+import weakref
 from collections.abc import Sequence
 from typing import Optional
 
@@ -30,15 +38,39 @@ def socketpair() -> tuple[socket.socket, socket.socket]:
     return socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
 
 
+#: One lock per socket that something sent on: a message is written whole, never interleaved.
+_send_locks: weakref.WeakKeyDictionary[socket.socket, threading.Lock] = weakref.WeakKeyDictionary()
+_send_locks_lock = threading.Lock()
+
+
+def _send_lock(sock: socket.socket) -> threading.Lock:
+    with _send_locks_lock:
+        lock = _send_locks.get(sock)
+        if lock is None:
+            lock = _send_locks[sock] = threading.Lock()
+        return lock
+
+
+def _forget_locks_after_fork() -> None:
+    global _send_locks, _send_locks_lock  # a lock held by another thread at fork stays held for ever
+    _send_locks = weakref.WeakKeyDictionary()
+    _send_locks_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_locks_after_fork)
+
+
 def send(sock: socket.socket, data: bytes, fds: Sequence[int] = ()) -> None:
-    """Send one message; raises OSError (BrokenPipeError...) if the peer is gone."""
+    """Send one message, whole, after any other thread's message on ``sock``; raises OSError
+    (BrokenPipeError...) if the peer is gone."""
     fds = list(fds)
     header = _HEADER.pack(len(data), len(fds))
-    _send_with_fds(sock, header, fds[:_MAX_FDS])
-    for start in range(_MAX_FDS, len(fds), _MAX_FDS):
-        _send_with_fds(sock, _MARKER, fds[start:start + _MAX_FDS])
-    if data:
-        sock.sendall(data)
+    with _send_lock(sock):
+        _send_with_fds(sock, header, fds[:_MAX_FDS])
+        for start in range(_MAX_FDS, len(fds), _MAX_FDS):
+            _send_with_fds(sock, _MARKER, fds[start:start + _MAX_FDS])
+        if data:
+            sock.sendall(data)
 
 
 def _send_with_fds(sock: socket.socket, data: bytes, fds: list[int]) -> None:
@@ -55,6 +87,11 @@ def recv(sock: socket.socket) -> Optional[tuple[bytes | bytearray, list[int]]]:
     if len(head) < _HEADER.size:
         head += _recv_exact(sock, _HEADER.size - len(head))
     length, nfds = _HEADER.unpack(head)
+    if length > _max_length() or nfds > _max_fds():
+        for fd in fds:
+            os.close(fd)
+        raise ConnectionError(f"a corrupt message header on this channel: {length} bytes with {nfds} file "
+                              "descriptors (more than this machine could hold)")
     try:
         while len(fds) < nfds and len(fds) % _MAX_FDS == 0:
             marker, more, _flags, _addr = socket.recv_fds(sock, 1, _MAX_FDS, socket.MSG_CMSG_CLOEXEC)
@@ -70,6 +107,22 @@ def recv(sock: socket.socket) -> Optional[tuple[bytes | bytearray, list[int]]]:
             os.close(fd)
         raise
     return _recv_exact(sock, length), fds
+
+
+def _max_length() -> int:
+    """No real message is bigger than this machine's memory."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 1 << 40
+
+
+def _max_fds() -> int:
+    """No real message carries more fds than a process may hold."""
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return hard if 0 < hard < 1 << 31 else 1 << 20
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes | bytearray:

@@ -35,6 +35,7 @@ import shlex
 import sys
 from typing import Any, Callable, Optional, cast
 
+from ..errors import PayloadError
 from .auto import Piece, route, split_cell
 from .cells import CellSyntaxError, cell_number, ends_with_semicolon, labelled, notebook_names_for, show_briefly
 
@@ -394,7 +395,8 @@ def session_magics_class() -> type:
             try:
                 s.restart(ranks)
             except KeyboardInterrupt as e:
-                show_briefly(e, ["KeyboardInterrupt: %dist_restart was interrupted"])
+                show_briefly(e, ["KeyboardInterrupt: %dist_restart was interrupted once it was done "
+                                 "(%dist_status shows the ranks)"])
                 raise
             rows = s.status()
             changed = ranks if ranks is not None else [r for r, state in before.items() if state == "dead"]
@@ -644,7 +646,7 @@ def session_magics_class() -> type:
             except TimeoutError as e:
                 show_briefly(e)
                 raise
-            except NameError as e:
+            except (NameError, PayloadError) as e:  # a pull's: the message says it all
                 show_briefly(e)
                 raise
 
