@@ -32,6 +32,7 @@ import termios
 import threading
 from typing import Callable, Optional, Union
 
+from . import process
 from .errors import StdinUnavailableError
 
 #: The token of an ASK for a read of fd 0 itself (not through sys.stdin).
@@ -158,29 +159,18 @@ def _reads_our_pipe(pid: str, tid: str) -> bool:
 
 def _a_child_reads_our_pipe() -> bool:
     """Does a process below this one (at any depth) block reading our stdin pipe?"""
-    stack, seen = [str(os.getpid())], set()
+    stack, seen = process.children_of(os.getpid()), set()
     while stack:
         pid = stack.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
         try:
-            tasks = os.listdir(f"/proc/{pid}/task")
+            if any(_reads_our_pipe(str(pid), tid) for tid in os.listdir(f"/proc/{pid}/task")):
+                return True
         except OSError:
             continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/children") as f:
-                    kids = f.read().split()
-            except OSError:
-                continue
-            for kid in kids:
-                if kid in seen:
-                    continue
-                seen.add(kid)
-                stack.append(kid)
-                try:
-                    if any(_reads_our_pipe(kid, t) for t in os.listdir(f"/proc/{kid}/task")):
-                        return True
-                except OSError:
-                    continue
+        stack.extend(process.children_of(pid))
     return False
 
 
@@ -190,14 +180,6 @@ def _unread(fd: int) -> int:
         return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
     except OSError:
         return 0
-
-
-def _flush_output() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
 
 
 class RankStdin(io.TextIOBase):
@@ -216,7 +198,7 @@ class RankStdin(io.TextIOBase):
         return 0
 
     def readline(self, size: Optional[int] = -1) -> str:  # type: ignore[override]
-        _flush_output()  # the prompt ("(Pdb) ", input()'s) reaches the caller first
+        process.flush_stdio()  # the prompt ("(Pdb) ", input()'s) reaches the caller first
         send_ask = _state.send_ask
         if send_ask is None:
             return ""
