@@ -85,6 +85,9 @@ Ranks = Union[int, Iterable[int], None]
 #: How long a rank must sit in a collective while some other rank is idle before the
 #: call gives up on it (the idle rank will never join).
 COLLECTIVE_GRACE = 0.3
+#: How long a rank runs on while some other rank is not running the call before it is asked
+#: to read torch's recorder (the collective watch's first look).
+_WATCH_AFTER = 0.05
 #: After an interrupt, how long ranks still running get before their group is destroyed
 #: under them (unsticks a gloo collective), and before we stop waiting for them at all.
 _ABORT_AFTER = 0.15
@@ -209,7 +212,9 @@ class Session:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._selector.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
         self._relay = OutputRelay(sys.stdout, sys.stderr)
-        self._prompter = prompts.Prompter(self._wake)  # each call makes its own, on its thread
+        # A call's prompts for its ranks' reads of stdin, made at the first one (on the call's
+        # own thread: the frontend's cell is found there).
+        self._prompter: Optional[prompts.Prompter] = None
         self._placer: Optional[placement.Placer] = None
         _sessions.add(self)
         interrupts.install()  # from the main thread: the stop button then reaches calls on others
@@ -665,7 +670,7 @@ class Session:
                 self._current, self._interrupt_asked = req, False
             restore = _take_sigint(self._on_sigint, self)
             self._relay.retarget(sys.stdout, sys.stderr)
-            self._prompter = prompts.Prompter(self._wake)
+            self._prompter = None
             try:
                 for m in members:
                     self._send_request(m, kind, req, body, fds, label)
@@ -684,6 +689,7 @@ class Session:
     def _wait(self, members: list[_Member], req: int, timeout: Optional[float]) -> dict[int, Any]:
         deadline = None if timeout is None else time.monotonic() + timeout
         stuck_since: Optional[float] = None
+        partial_since: Optional[float] = None  # since when some rank has not been running req
         try:
             while True:
                 dead = [m for m in members if not m.alive]
@@ -698,15 +704,25 @@ class Session:
                     raise KeyboardInterrupt
                 now = time.monotonic()
                 # Time a rank waits for the user (a pdb prompt) is not the call's.
-                wait = None if deadline is None or self._prompter.waiting else (
-                    deadline + self._prompter.waited() - now)
+                prompter = self._prompter
+                wait = None if deadline is None or prompter is not None and prompter.waiting else (
+                    deadline + (prompter.waited() if prompter is not None else 0.0) - now)
                 if wait is not None and wait <= 0:
                     assert timeout is not None  # a deadline comes from it
                     running = [m.rank for m in members if m.req == req]
                     self._stop(members, req)
                     raise TimeoutError(_timed_out(timeout, running, [m.rank for m in members if m.req == req]))
                 if self.ddp:
-                    self._watch_recorders(req)
+                    if partial_since is None and not all(m.alive and m.req == req for m in self._members.values()):
+                        partial_since = now
+                    if partial_since is not None:
+                        # A rank that runs on alone a while reads torch's recorder; most finish
+                        # within a millisecond of the others, and a look costs them time.
+                        left = partial_since + _WATCH_AFTER - now
+                        if left <= 0:
+                            self._watch_recorders(req)
+                        else:
+                            wait = left if wait is None else min(wait, left)
                     stuck, missing = self._stuck(req)
                     if stuck and missing:
                         stuck_since = stuck_since or now
@@ -745,13 +761,10 @@ class Session:
     # -- when a call is stuck ----------------------------------------------------------
 
     def _watch_recorders(self, req: int) -> None:
-        """Once some rank is not running ``req`` (idle, finished, failed, dead), the ranks that
-        still run it read torch's recorder for collectives they wait on (waits.py): it sees
-        waits that a frame does not (Work.wait(), DTensor, DDP's hooks on autograd threads)."""
-        world = self._members.values()
-        if all(m.alive and m.req == req for m in world):
-            return
-        for m in world:
+        """Some rank is not running ``req`` (idle, finished, failed, dead): the ranks that still
+        run it read torch's recorder for collectives they wait on (waits.py): it sees waits
+        that a frame does not (Work.wait(), DTensor, DDP's hooks on autograd threads)."""
+        for m in self._members.values():
             if m.alive and m.req == req and m.watched != req:
                 m.watched = req
                 self._send_control(m, proto.WATCH, req)
@@ -818,6 +831,8 @@ class Session:
     def _stop(self, members: list[_Member], req: int) -> None:
         """Interrupt every rank still running ``req``; unstick collectives; rebuild the group
         when it was torn down. Bounded in time; a second Ctrl-C does not cut it short."""
+        if self._prompter is None:  # a read that comes now is answered end of file at once
+            self._prompter = prompts.Prompter(self._wake)
         self._close_prompts()  # a rank at a prompt reads KeyboardInterrupt, then end of file
         for m in members:
             if m.alive and m.req == req:
@@ -913,7 +928,7 @@ class Session:
                     os.read(self._wake_r, 4096)
                 except BlockingIOError:
                     pass
-                for reply, answer in self._prompter.take_answers():
+                for reply, answer in self._prompter.take_answers() if self._prompter is not None else ():
                     reply(answer)
 
     def _on_work(self, m: _Member) -> None:
@@ -1015,10 +1030,14 @@ class Session:
         def reply(answer: Any) -> None:
             self._send_control(m, proto.ANSWER, req, pickle.dumps((token, answer)))
 
+        if self._prompter is None:
+            self._prompter = prompts.Prompter(self._wake)
         self._prompter.ask(m.rank, prompt, reply)
 
     def _close_prompts(self) -> None:
         """No one answers prompts of this call any more: the reads still waiting are ended."""
+        if self._prompter is None:
+            return
         for reply, answer in self._prompter.close():
             reply(answer)
 

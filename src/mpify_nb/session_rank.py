@@ -498,10 +498,11 @@ def _control_loop(control: socket.socket, state: _State) -> None:
     watched = NO_REQUEST
     recorder_for = NO_REQUEST  # the request for which the caller asked us to read the recorder
     reported: list[waits.Wait] = []
-    next_watch = 0.0
+    next_raw = next_watch = 0.0
     while True:
         busy = state.request != NO_REQUEST
-        ready = select.select([control, state.wake_r], [], [], rank_stdin.RAW_READ_PERIOD if busy else None)[0]
+        wait = max(0.0, min(next_raw, next_watch) - time.monotonic()) if busy else None
+        ready = select.select([control, state.wake_r], [], [], wait)[0]
         if state.wake_r in ready:
             try:
                 os.read(state.wake_r, 4096)
@@ -530,22 +531,28 @@ def _control_loop(control: socket.socket, state: _State) -> None:
             elif kind == ANSWER:
                 rank_stdin.deliver(*pickle.loads(_body))
         request = state.request
+        now = time.monotonic()
         if request != watched:
+            # A request has just begun: no look until it has run a while (most end within a
+            # millisecond, and a look takes the GIL from them).
             watched, reported = request, []
+            next_raw, next_watch = now + rank_stdin.RAW_READ_PERIOD, now + _WATCH_PERIOD
         if request == NO_REQUEST:
             continue
-        if rank_stdin.raw_read_waiting():  # C code, or /dev/stdin opened again, reads fd 0
-            _send(control, pack(ASK, request, pickle.dumps(rank_stdin.RAW)))
-        if time.monotonic() < next_watch and not ready:
+        if now >= next_raw:
+            next_raw = now + rank_stdin.RAW_READ_PERIOD
+            if rank_stdin.raw_read_waiting():  # C code, or /dev/stdin opened again, reads fd 0
+                _send(control, pack(ASK, request, pickle.dumps(rank_stdin.RAW)))
+        if now < next_watch:
             continue
-        next_watch = time.monotonic() + _WATCH_PERIOD
-        now = waits.waits_of(state.main_ident, recorder=recorder_for == request)
+        next_watch = now + _WATCH_PERIOD
+        found = waits.waits_of(state.main_ident, recorder=recorder_for == request)
         # Where it waits is the line it blocks on now (an async collective is issued on one
         # line and waited for on a later one).
-        where = waits.user_line(state.main_ident) if now else None
-        now = [dataclasses.replace(w, where=where) for w in now]
-        if now != reported:
-            reported = now
+        where = waits.user_line(state.main_ident) if found else None
+        found = [dataclasses.replace(w, where=where) for w in found]
+        if found != reported:
+            reported = found
             _send(control, pack(COLLECTIVE, request, pickle.dumps((reported, time.monotonic()))))
 
 
