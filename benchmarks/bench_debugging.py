@@ -117,7 +117,7 @@ def main() -> int:
             Result("20", "kernel's own input(): read to input_request", median(local[0]) * 1000, "ms"),
             Result("20", "kernel's own input(): answer to the next line", median(local[1]) * 1000, "ms"),
             Result("20", "read of fd 0 itself (/dev/stdin: torch.distributed.breakpoint) to input_request",
-                   median(raw_request) * 1000, "ms", detail="seen by polling every 10 ms: " + fmt_list(raw_request)),
+                   median(raw_request) * 1000, "ms", detail="seen by polling every 20 ms: " + fmt_list(raw_request)),
             Result("20", "read of fd 0 itself: answer to the rank's next line", median(raw_rank) * 1000, "ms"),
         ]
         run(kc, "%dist_shutdown", "")

@@ -42,7 +42,7 @@ Answer = Union[str, None, tuple]
 INTERRUPTED = "interrupted"
 UNAVAILABLE = "unavailable"
 
-_SYSCALL_READ = {"x86_64": "0", "aarch64": "63"}.get(os.uname().machine, "0")
+_SYSCALL_READ = {"x86_64": b"0", "aarch64": b"63"}.get(os.uname().machine, b"0")
 
 
 class _State:
@@ -55,6 +55,7 @@ class _State:
         self.pipe_inode = ""
         self.raw_asked = False  # an ASK for a raw read is out: not again until it is answered
         self.reader_tid = 0  # the thread that runs the user's code (looked at most often)
+        self.reader_syscall = -1  # its /proc syscall file, open
 
 
 _state = _State()
@@ -84,6 +85,8 @@ def _forked() -> None:
         return
     _state.send_ask = None
     try:
+        if _state.reader_syscall >= 0:
+            os.close(_state.reader_syscall)  # the rank's thread, not ours
         os.close(_state.pipe_w)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
@@ -119,9 +122,11 @@ def _end_raw_read() -> None:
     os.close(old)  # the blocked read, on the old pipe, returns 0
 
 
-#: How often a rank's reader thread looks for a read of fd 0 itself (the main thread's; every
-#: thread's at every fifth look): each look reads one small /proc file.
-RAW_READ_PERIOD = 0.01
+#: How often a rank's reader thread looks for a read of fd 0 itself: the user's thread each
+#: time (one pread of a /proc file it keeps open), every thread and every child process at
+#: every EVERY_THREAD-th look.
+RAW_READ_PERIOD = 0.02
+EVERY_THREAD = 10
 _looks = itertools.count()
 
 
@@ -130,12 +135,12 @@ def raw_read_waiting() -> bool:
     /dev/stdin opened again), not through sys.stdin? Then send it an ASK (once)."""
     if _state.send_ask is None or _state.raw_asked or _unread(_state.pipe_w):
         return False  # asked already, or the last answer is not read yet
-    every_thread = next(_looks) % 5 == 0
+    every_thread = next(_looks) % EVERY_THREAD == 0
     try:
-        tasks = os.listdir("/proc/self/task") if every_thread else [str(_state.reader_tid)]
+        tasks = os.listdir("/proc/self/task") if every_thread else []
     except OSError:
         return False
-    if any(_reads_our_pipe("self", tid) for tid in tasks):
+    if _reader_reads_our_pipe() or any(_reads_our_pipe("self", tid) for tid in tasks):
         _state.raw_asked = True
         return True
     if every_thread and _a_child_reads_our_pipe():
@@ -145,14 +150,31 @@ def raw_read_waiting() -> bool:
     return False
 
 
+def _reader_reads_our_pipe() -> bool:
+    """The user's thread, looked at most often: its syscall file stays open (one pread a look)."""
+    try:
+        if _state.reader_syscall < 0:
+            _state.reader_syscall = os.open(f"/proc/self/task/{_state.reader_tid}/syscall", os.O_RDONLY | os.O_CLOEXEC)
+        return _read_of_our_pipe("self", os.pread(_state.reader_syscall, 256, 0).split())
+    except OSError:
+        return False
+
+
 def _reads_our_pipe(pid: str, tid: str) -> bool:
     """Is thread ``tid`` of ``pid`` blocked in read() on our stdin pipe?"""
     try:
-        with open(f"/proc/{pid}/task/{tid}/syscall") as f:
-            fields = f.read().split()
-        if len(fields) < 2 or fields[0] != _SYSCALL_READ:
-            return False
-        return os.readlink(f"/proc/{pid}/fd/{int(fields[1], 16)}") == _state.pipe_inode
+        with open(f"/proc/{pid}/task/{tid}/syscall", "rb") as f:
+            return _read_of_our_pipe(pid, f.read().split())
+    except OSError:
+        return False
+
+
+def _read_of_our_pipe(pid: str, syscall: list) -> bool:
+    """``syscall`` (a /proc syscall file's fields) is a read() of our stdin pipe."""
+    if len(syscall) < 2 or syscall[0] != _SYSCALL_READ:
+        return False
+    try:
+        return os.readlink(f"/proc/{pid}/fd/{int(syscall[1], 16)}") == _state.pipe_inode
     except (OSError, ValueError):
         return False
 
