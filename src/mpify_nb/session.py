@@ -126,9 +126,8 @@ class _Member:
         self.device = "?"
         self.req = proto.NO_REQUEST  # the request it runs for us now
         self.answer: Optional[tuple[bytes, Any, list[int]]] = None  # (kind, body, fds) for self.req
-        # what it waits on in torch.distributed for self.req (waits.py), and since when
+        # what it waits on in torch.distributed for self.req (waits.py)
         self.waits: list[Wait] = []
-        self.waits_since = 0.0
         self.watched = proto.NO_REQUEST  # the request for which it reads torch's recorder
         # {group name: number of its last collective} for the request self.issued_req
         self.issued: Optional[dict[str, int]] = None
@@ -971,7 +970,7 @@ class Session:
         if kind == proto.ABORTED:
             m.aborts -= 1
         elif kind == proto.COLLECTIVE and req == m.req:
-            m.waits, m.waits_since = pickle.loads(body)
+            m.waits = pickle.loads(body)
         elif kind == proto.ISSUED and req == m.issued_req:
             m.issued = pickle.loads(body)
         elif kind == proto.ASK:

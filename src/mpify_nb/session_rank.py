@@ -14,7 +14,7 @@ socketpair. It then never exits on its own::
                                                           cut the connections to the peers and
                                                           destroy the group (unsticks them);
                  ── WATCH req ─────────────────────────> read torch's recorder too, while req runs
-                 <── COLLECTIVE (req, waits, since) ───  what the main thread waits on (waits.py)
+                 <── COLLECTIVE (req, waits) ──────────  what the main thread waits on (waits.py)
                  ── PEEK req / <── ISSUED ─────────────  this rank's count of each group's collectives
                   (control channel closes) ───────────> the caller is gone: kill self
 
@@ -553,7 +553,7 @@ def _control_loop(control: socket.socket, state: _State) -> None:
         found = [dataclasses.replace(w, where=where) for w in found]
         if found != reported:
             reported = found
-            _send(control, pack(COLLECTIVE, request, pickle.dumps((reported, time.monotonic()))))
+            _send(control, pack(COLLECTIVE, request, pickle.dumps(reported)))
 
 
 def _caller_gone() -> NoReturn:
