@@ -51,10 +51,12 @@ LAYERS: dict[str, int] = {
     "rank_display": 0,
     "rank_mpl_backend": 0,
     "rank_stdin": 0,  # a rank's stdin, asked of the notebook's user
+    "rank_comms": 0,  # a rank's widget comms, sent to the caller
     "waits": 0,  # what a rank waits on in torch.distributed (its recorder, its stack)
     # 1: what a call is made of: its payload, its relayed output; what the template preloads
     "payload": 1,
     "relay": 1,
+    "comms": 1,  # the caller's side of the ranks' widget comms: twins in the kernel
     "prompts": 1,  # the caller's side of a rank's stdin: the frontend's input prompts
     "preload": 1,
     # 2, 3: a rank's process: a Session's rank serves requests (session_rank), a rank of any

@@ -64,7 +64,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
-from . import interrupts, payload, placement, prompts, wire
+from . import comms, interrupts, payload, placement, prompts, wire
 from . import session_rank as proto
 from .errors import (
     CollectiveError,
@@ -215,6 +215,7 @@ class Session:
         # own thread: the frontend's cell is found there).
         self._prompter: Optional[prompts.Prompter] = None
         self._placer: Optional[placement.Placer] = None
+        self._comms = comms.CommBridge(self._comm_to_rank)  # widgets: ranks' comms twinned in the kernel
         _sessions.add(self)
         interrupts.install()  # from the main thread: the stop button then reaches calls on others
         try:
@@ -466,7 +467,7 @@ class Session:
         if self._gpus is not None:
             gpu = self._gpus[rank]
         return {"world_size": self.world_size, "ddp": self.ddp, "backend": self._backend, "gpu": gpu,
-                "rendezvous": rendezvous}
+                "rendezvous": rendezvous, "comms": self._comms.available()}  # comms: widgets (comms.py)
 
     def _start(self, ranks: list[int]) -> None:
         """Start ``ranks`` (fresh processes) and, with ddp, (re)build the group with every
@@ -603,6 +604,7 @@ class Session:
         if m.buried:
             return
         m.buried = True
+        self._comms.close_rank(m.rank)  # widgets: its models close in the frontend
         m.process.kill()
         if not m.process.wait_gone(5.0):
             pass  # its template died with it, or the kernel is slow: the pidfd says nothing more
@@ -945,6 +947,8 @@ class Session:
             m.device, m.state = info["device"], "idle"
         elif kind == proto.DISPLAY:
             self._show(m.rank, pickle.loads(body))
+        elif kind == proto.COMM_OUT:  # widgets (comms.py)
+            self._comm_from_rank(m, pickle.loads(body))
         elif kind == proto.ASK:
             self._ask(m, req, pickle.loads(body))
         elif req == proto.NO_REQUEST and kind == proto.FAIL:
@@ -1004,6 +1008,7 @@ class Session:
                                        f"Its Python state is lost; {self.restart_how} starts a fresh rank {m.rank} "
                                        "and rebuilds the group (the other ranks keep their state).")
         m.state = "dead"
+        self._comms.close_rank(m.rank)  # widgets: its models close in the frontend
         m.died_during = self._current
         m.waits = []
         if m.answer is None:
@@ -1039,6 +1044,32 @@ class Session:
             return
         for reply, answer in self._prompter.close():
             reply(answer)
+
+    # -- widgets: the ranks' comms (comms.py, rank_comms.py) -----------------------------
+
+    def _comm_from_rank(self, m: _Member, frame: dict) -> None:
+        for fd in (m.out_r, m.err_r):  # what it printed before goes first (an Output widget captures by time)
+            self._relay.pump(fd)
+        self._comms.from_rank(m.rank, frame)
+        if "sync" in frame:  # it waits for this before it prints on (rank_comms._emit)
+            self._send_control(m, proto.COMM_ACK, proto.NO_REQUEST, pickle.dumps(frame["sync"]))
+
+    def _comm_to_rank(self, rank: int, frame: dict) -> None:
+        """A frontend's message to a widget of ``rank``: handled there like a tiny cell (output
+        relayed, the stop button reaches it). While a call runs on another thread, it is only
+        queued: the rank handles it after that call, and its answer is dropped."""
+        m = self._members.get(rank)
+        if self.closed or m is None or not m.alive:
+            return
+        body = pickle.dumps(frame)
+        if not self._call_lock.acquire(blocking=False):
+            try:
+                wire.send(m.work, proto.pack(proto.COMM, next(self._ids), body))
+            except OSError:
+                pass
+            return
+        self._call_lock.release()
+        self._call(proto.COMM, body, [], [rank], None, self._comms.show, None)
 
     def _show(self, rank: int, bundle: dict) -> None:
         if self._display is not None:

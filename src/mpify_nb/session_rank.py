@@ -44,7 +44,7 @@ import threading
 import time
 from typing import Any, NoReturn, Optional
 
-from . import groups, payload, process, rank_display, rank_stdin, waits, wire
+from . import groups, payload, process, rank_comms, rank_display, rank_stdin, waits, wire
 from .errors import PayloadError, RemoteFailure, safe_str
 
 # -- the protocol (both directions: a kind byte, a request id, a body) ----------------------
@@ -53,6 +53,8 @@ RUN, APPLY, PUSH, PULL, MISSING, GROUP = b"r", b"a", b"p", b"l", b"m", b"g"  # w
 INTERRUPT, ABORT_GROUP, WATCH, PEEK, ANSWER = b"i", b"x", b"w", b"k", b"n"  # control channel, to the rank
 READY, DONE, FAIL, DISPLAY, ASK = b"R", b"D", b"F", b"P", b"Q"  # work channel, from the rank (ASK: control too)
 COLLECTIVE, ABORTED, ISSUED = b"C", b"A", b"I"  # control channel, from the rank
+COMM, COMM_OUT, COMM_ACK = b"c", b"W", b"o"  # widgets (rank_comms.py): a frontend's comm message to the rank
+# (work), the rank's to the frontend (work), the caller passed on a frame marked "sync" (control)
 
 _ID = struct.Struct("!Q")
 NO_REQUEST = 0
@@ -101,6 +103,8 @@ def serve(channel: socket.socket, config: dict, fds: list[int]) -> NoReturn:
     rank_stdin.install(lambda token: _send(channel, pack(ASK, state.request, pickle.dumps(token))))
     rank_stdin.install_breakpointhook()
     namespace["display"] = rank_display.display
+    if session.get("comms"):  # widgets: comms to the caller's kernel, from any thread (rank_comms.py)
+        rank_comms.install(lambda frame: _send_display(channel, state, frame, COMM_OUT))
     try:
         ready = _start(namespace, config["rank"], session, listen_fd)
         reply = pack(READY, NO_REQUEST, pickle.dumps(ready))
@@ -159,11 +163,11 @@ def _on_sigint(state: _State) -> None:
         state.deferred = True
 
 
-def _send_display(channel: socket.socket, state: _State, bundle: dict) -> None:
-    """``display()`` in the user's code, from any thread: one DISPLAY message, sent whole
-    (wire.send serializes the threads). On the main thread an interrupt would cut it in
-    half, leaving the caller a corrupt channel: it is raised once the message is out."""
-    data = pack(DISPLAY, state.request, pickle.dumps(bundle))
+def _send_display(channel: socket.socket, state: _State, bundle: dict, kind: bytes = DISPLAY) -> None:
+    """``display()`` in the user's code, from any thread: one DISPLAY message (or a widget's
+    COMM_OUT), sent whole (wire.send serializes the threads). On the main thread an interrupt
+    would cut it in half, leaving the caller a corrupt channel: it is raised once the message is out."""
+    data = pack(kind, state.request, pickle.dumps(bundle))
     if threading.get_ident() != state.main_ident or not state.in_user_code:
         _send(channel, data)
         return
@@ -382,6 +386,8 @@ def _handle(kind: bytes, req_id: int, body, fds: list[int], namespace: dict, sta
         elif kind == MISSING:
             names = pickle.loads(body)
             value = sorted(n for n in names if n not in namespace and not hasattr(builtins, n))
+        elif kind == COMM:  # a frontend's message to a widget here: its handlers are user code
+            value = _in_user_code(state, rank_comms.deliver, pickle.loads(body))
         elif kind == GROUP:
             _destroy_group()
             _init_group(pickle.loads(body), fds[0] if fds else None)
@@ -530,6 +536,8 @@ def _control_loop(control: socket.socket, state: _State) -> None:
                 _send(control, pack(ISSUED, req_id, pickle.dumps(waits.issued_counts())))
             elif kind == ANSWER:
                 rank_stdin.deliver(*pickle.loads(_body))
+            elif kind == COMM_ACK:  # widgets (rank_comms.py)
+                rank_comms.acked(pickle.loads(_body))
         request = state.request
         now = time.monotonic()
         if request != watched:
