@@ -178,6 +178,33 @@ def test_custom_messages_and_button_clicks_reach_their_rank(fe):
         "[rank 0] [('custom', {'hello': 5}, 0)]\n[rank 1] [('click', 1), ('custom', {'event': 'click'}, 1)]"]
 
 
+def test_the_stop_button_stops_a_long_handler_and_the_rank_lives_on(fe):
+    seen = fe.cell("slow, slow_steps = widgets.Button(), []\n"
+                   "def slow_click(_b):\n"
+                   "    slow_steps.append('in')\n"
+                   "    print('in', flush=True)\n"
+                   "    time.sleep(30)\n"
+                   "    slow_steps.append('out')\n"
+                   "slow.on_click(slow_click)\n"
+                   "import time\n"
+                   "display(slow)")
+    button = dict(fe.views(seen))
+    msg = fe.kc.session.msg("comm_msg", {"comm_id": button[1], "data": {"method": "custom",
+                                                                          "content": {"event": "click"}}})
+    fe.kc.shell_channel.send(msg)
+    while True:  # the handler runs on rank 1
+        got = fe.kc.iopub_channel.get_msg(timeout=CELL_TIMEOUT)
+        if got["msg_type"] == "stream" and got["content"]["text"] == "[rank 1] in\n":
+            break
+    pressed = time.monotonic()
+    fe.km.interrupt_kernel()
+    stopped = fe._pump(msg["header"]["msg_id"], CELL_TIMEOUT)
+    assert time.monotonic() - pressed < 5
+    assert "[mpify_nb] interrupted: rank 1's widget handler stopped" in "".join(
+        m["content"]["text"] for m in stopped.messages if m["msg_type"] == "stream")
+    assert fe.cell("slow_steps").results == ["[rank 0] []\n[rank 1] ['in']"]
+
+
 def test_interact_output_goes_to_its_output_widget(fe):
     seen = fe.cell("@widgets.interact(x=(0, 10))\n"
                    "def shown(x=5):\n"

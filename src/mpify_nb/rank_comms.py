@@ -69,14 +69,11 @@ def _flush_stdio() -> None:
 def install(send: Callable[[dict], None]) -> None:
     """Route this rank's comms to ``send`` (one frame a message), from now on."""
     global _send
-    try:
-        import comm
-    except ImportError:
-        return  # no ipywidgets here either
     _send = send
-
-    comm.create_comm = _create_comm
-    comm.get_comm_manager = _get_comm_manager
+    if "comm" in sys.modules:
+        _patch_comm(sys.modules["comm"])
+    else:  # patched when something imports it (ipywidgets does): a rank without widgets pays nothing
+        sys.meta_path.insert(0, _AfterImport("comm", _patch_comm))
     functions = sys.modules.get("IPython.core.display_functions")
     if functions is not None:
         _patch_clear(functions)
@@ -108,6 +105,12 @@ def deliver(frame: dict) -> None:
         manager.comm_msg(None, None, msg)
     elif op == "comm_close":
         manager.comm_close(None, None, msg)
+
+
+def _patch_comm(comm: Any) -> None:
+    """The ``comm`` package's hooks, as ipykernel sets them in a kernel."""
+    comm.create_comm = _create_comm
+    comm.get_comm_manager = _get_comm_manager
 
 
 def _get_comm_manager() -> Any:
@@ -205,9 +208,8 @@ def _want_widget_tqdm() -> None:
         importlib.import_module("ipykernel.zmqshell")
     except Exception:
         return
-    import comm
-
-    comm.create_comm, comm.get_comm_manager = _create_comm, _get_comm_manager  # ours, whatever it set
+    if "comm" in sys.modules:
+        _patch_comm(sys.modules["comm"])  # ours, whatever ipykernel set
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
