@@ -107,7 +107,9 @@ class WidgetFrontend(Frontend):
                 continue
             data = m["content"]["data"]
             view = data.get("application/vnd.jupyter.widget-view+json")
-            if view is not None:
+            if view is not None and data.get("text/plain", "").startswith("[rank "):  # labelled in place (HTML)
+                found.append((int(data["text/plain"][6:].split("]")[0]), view["model_id"]))
+            elif view is not None:
                 found.append((rank, view["model_id"]))
             elif data.get("text/plain", "").startswith("[rank "):
                 rank = int(data["text/plain"][6:].split("]")[0])
@@ -259,6 +261,25 @@ def test_the_kernels_own_widget_still_works(fe):
     assert fe.cell("%%local\nprint(kernel_slider.value)").stdout == "9\n"
     assert fe.cell("s.value").results == ["[rank 0] 1\n[rank 1] 8"]
     fe.kernel_ids = fe.opened[start:]  # its slider, layout and style
+
+
+def test_an_ipympl_figure_per_rank_draws_for_the_frontend(fe):
+    pytest.importorskip("ipympl")
+    seen = fe.cell("import matplotlib\nmatplotlib.use('module://ipympl.backend_nbagg')\n"
+                   "import matplotlib.pyplot as plt\nfig = plt.figure()\nplt.plot([1, rank + 2])\n"
+                   "display(fig.canvas)")
+    canvas = dict(fe.views(seen))
+    assert sorted(canvas) == [0, 1]
+    assert {fe.models[c]["state"]["_model_name"] for c in canvas.values()} == {"MPLCanvasModel"}
+    fe.comm_msg(canvas[1], {"method": "custom", "content": {"type": "refresh"}})  # it asks for a "draw"
+    drawn = fe.comm_msg(canvas[1], {"method": "custom", "content": {"type": "draw"}})
+    images = [bytes(b) for m in drawn.messages if m["msg_type"] == "comm_msg" for b in m["buffers"]]
+    assert {m["content"]["comm_id"] for m in drawn.messages if m["msg_type"] == "comm_msg"} == {canvas[1]}
+    urls = [m["content"]["data"]["state"]["_data_url"] for m in drawn.messages if m["msg_type"] == "comm_msg"
+            and "_data_url" in m["content"]["data"].get("state", {})]
+    assert len(urls) == 1 and urls[0].startswith("iVBORw0KGgo")  # base64 of a PNG's signature
+    assert len(images) == 1 and len(images[0]) > 0  # the image's pixels, as a binary buffer
+    fe.cell("plt.close('all')")
 
 
 def test_a_restart_closes_the_ranks_models_and_shutdown_closes_the_rest(fe):
