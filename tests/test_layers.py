@@ -85,6 +85,10 @@ LAYERS: dict[str, int] = {
     "magics.onrank": 8,
     "magics.ranch": 8,
     "magics.session": 8,
+    "magics.router": 8,  # where a cell goes (automatic mode), which ranks %%rank names
+    "magics.status": 8,  # %dist_status's table
+    "magics.views": 8,  # lines or tabs: how a persistent cell shows its ranks' output
+    "magics.rank_cells": 8,  # a rank cell's pieces run in order, through the cell's view
     # 9: the package's front door (re-exports, %load_ext, the "ray" placement's provider)
     PACKAGE: 9,
 }

@@ -47,7 +47,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Optional, TextIO
+from typing import Any, Callable, Optional, TextIO
 
 _CHUNK = 1 << 16
 _MID_LINE_WAIT = 0.5
@@ -99,18 +99,72 @@ class _LineTracker:
         self._cond = cond
         self.mid_line = False
         self.rank_line_open = False  # a rank's partial line is shown on this stream, unfinished
+        self._display = _notebook_display(stream)
+        self._bar: Optional[_Bar] = None  # the caller's own carriage-return line, in Jupyter
+        self._bar_line = ""  # its text since its last \r
 
     def write(self, text: str) -> int:
         with self._cond:
             if text and self.rank_line_open:
                 self._stream.write("\n")  # the caller's text starts on a line of its own
                 self.rank_line_open = False
+            if self._display is not None and (self._bar is not None or _redraws(text)):
+                text = self._draw_bar(text)  # what follows the bar's newline, if any
+                if not text:
+                    return 0
             n = self._stream.write(text)
             if text:
                 self.mid_line = not text.endswith(("\n", "\r"))
                 if not self.mid_line:
                     self._cond.notify_all()
         return n
+
+    def _draw_bar(self, text: str) -> str:
+        """The caller's bar (tqdm on rank 0 in ``%%ranch``) is a live display line too, like the
+        ranks' bars: in the stream, a display of another rank's bar coming between two redraws
+        would freeze the first one above it (a stream's ``\r`` cannot reach back over an output
+        in between). Returns the text after the bar's newline (for the stream)."""
+        if self._bar is None:
+            head, cut, text = text.partition("\r")  # what came before the bar stays in the stream
+            if head:
+                self._stream.write(head)
+            self._flush_stream()  # and stays above the bar
+            self._bar = _Bar(time.monotonic())
+            text = cut + text
+        line, newline, rest = text.replace("\r\n", "\n").partition("\n")
+        line = self._bar_line + line
+        self._bar_line = state = line.rsplit("\r", 1)[-1]  # the text since the last \r
+        if state.strip():
+            self._bar.text = state
+        elif newline and line.endswith("\r"):
+            self._bar.text = ""  # cleared (tqdm leave=False)
+        if newline or time.monotonic() >= self._bar.due(True):
+            self.show_bar()
+        if newline:
+            self._bar, self._bar_line = None, ""
+            self.mid_line = False
+        return rest
+
+    def show_bar(self) -> None:
+        """Show the caller's bar state if it changed (at most every ``_BAR_INTERVAL`` while drawn)."""
+        bar = self._bar
+        if bar is None or bar.text == bar.shown or self._display is None:
+            return
+        try:
+            if bar.handle is None:
+                if bar.text:
+                    bar.handle = self._display({"text/plain": bar.text}, raw=True, display_id=True)
+            else:
+                bar.handle.update({"text/plain": bar.text}, raw=True)
+        except Exception:
+            pass
+        bar.shown, bar.last_shown = bar.text, time.monotonic()
+
+    def _flush_stream(self) -> None:
+        try:
+            self._stream.flush()
+        except Exception:
+            pass
 
     def writelines(self, lines) -> None:
         for line in lines:
@@ -171,6 +225,11 @@ os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
 _streams_lock = threading.Lock()
 
 
+def _redraws(text: str) -> bool:
+    """``text`` redraws its line (a ``\r`` not part of a ``\r\n``)."""
+    return "\r" in text.replace("\r\n", "")
+
+
 def _underlying(stream: TextIO) -> TextIO:
     return stream._stream if isinstance(stream, _LineTracker) else stream
 
@@ -190,6 +249,11 @@ class OutputRelay:
         self._bars: dict[int, _Bar] = {}  # fd -> the bar line it is drawing now
         self._display = _notebook_display(stdout)  # None: a terminal or a file, bars as text lines
         self._open_line: list[Optional[int]] = [None, None]  # per stream: the fd whose line is open
+        #: fd -> its partial line shown before its end, in Jupyter: a live display line of its own
+        self._growing: dict[int, _Bar] = {}
+        #: where a call's output goes instead of the streams: sink(rank, "stdout"|"stderr", text),
+        #: raw (a per-rank view: no labels, no line assembly; see magics/views.py)
+        self._sink: Optional[Callable[[int, str, str], None]] = None
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
@@ -250,6 +314,9 @@ class OutputRelay:
                     self._finish(key.fd, key.data)
         if self._thread.is_alive():  # it leaves once nothing is watched
             self._thread.join()
+        with self._cond:
+            for tracker in self._trackers:
+                tracker.show_bar()  # the caller's bar, left at its last state
         self._untrack()
         _running.discard(self)
         self._selector.close()
@@ -299,6 +366,9 @@ class OutputRelay:
             self._emit(fd, where, chunk)
 
     def _emit(self, fd: int, where: tuple[int, int], chunk: bytes) -> None:
+        if self._sink is not None:
+            self._to_sink(fd, where, self._pending[fd] + chunk)
+            return
         # What is pending holds no line end, so only the new chunk is searched for one.
         cut = max(chunk.rfind(b"\n"), chunk.rfind(b"\r")) + 1
         if cut:
@@ -329,6 +399,11 @@ class OutputRelay:
         return in it (a progress bar) becomes a live bar line (see _Bar) until its newline."""
         plain: list[bytes] = []
         lines, _tail = _split_lines(data)  # data ends with a line end: no tail
+        growing = self._growing.get(fd)
+        if growing is not None and lines:
+            if not lines[0].endswith(b"\r"):  # its end: the line is whole, where it was shown
+                growing.text += lines.pop(0).rstrip(b"\r\n").decode("utf-8", errors="replace")
+            self._end_growing(fd, where)  # (before a bar's first redraw: it ends where it is)
         for line in lines:
             is_bar_step = line.endswith(b"\r")
             bar = self._bars.get(fd)
@@ -354,6 +429,7 @@ class OutputRelay:
 
     def _start_bar(self, fd: int, where: tuple[int, int]) -> _Bar:
         stream = where[1]
+        self._end_growing(fd, where)
         if self._open_line[stream] == fd and self._trackers[stream].rank_line_open:
             self._write(fd, where, b"\n")  # its partial line, shown already, ends where it is
         bar = self._bars[fd] = _Bar(time.monotonic())
@@ -431,16 +507,69 @@ class OutputRelay:
             return
         self._pending[fd] = buf[len(shown):]
         self._partial_since.pop(fd, None)
-        self._write(fd, where, shown)
+        self._write_partial(fd, where, shown)
+
+    def _write_partial(self, fd: int, where: tuple[int, int], shown: bytes) -> None:
+        """A partial line's part, shown before its end. In Jupyter it grows a live display line
+        of its rank's own (update_display_data), so two ranks' partial lines each grow on their
+        own line; its end finishes it there (the display keeps it). Elsewhere it is written to
+        the stream, and another rank's writing ends it (a new labelled line continues it)."""
+        line = self._growing.get(fd)
+        if self._display is None or len(shown) + (len(line.text) if line is not None else 0) > _LONG_LINE:
+            self._end_growing(fd, where)  # redrawing a line this long would cost its length each time
+            self._write(fd, where, shown)
+            return
+        if line is None:
+            line = self._growing[fd] = _Bar(time.monotonic())
+        line.text += shown.decode("utf-8", errors="replace")
+        self._show_line(where, line)
+
+    def _show_line(self, where: tuple[int, int], line: _Bar) -> None:
+        if line.text == line.shown or self._display is None:
+            return
+        bundle = {"text/plain": f"[rank {where[0]}] {line.text}"}
+        try:
+            if line.handle is None:
+                self._flush_targets()  # what the ranks wrote before it stays above it
+                line.handle = self._display(bundle, raw=True, display_id=True)
+            else:
+                line.handle.update(bundle, raw=True)
+        except Exception:
+            pass  # a broken display must not kill the relay (ranks would block)
+        line.shown = line.text
+
+    def _end_growing(self, fd: int, where: tuple[int, int]) -> None:
+        line = self._growing.pop(fd, None)
+        if line is not None:
+            self._show_line(where, line)
+
+    def _to_sink(self, fd: int, where: tuple[int, int], data: bytes) -> None:
+        """A per-rank view: ``data`` goes as it is to its rank's place (whole characters)."""
+        shown = _whole_characters(data)
+        self._pending[fd] = data[len(shown):]
+        self._partial_since.pop(fd, None)
+        sink = self._sink
+        if shown and sink is not None:
+            try:
+                sink(where[0], ("stdout", "stderr")[where[1]], shown.decode("utf-8", errors="replace"))
+            except Exception:
+                pass  # a broken view must not kill the relay (ranks would block)
 
     def _finish(self, fd: int, where: tuple[int, int]) -> None:
         rest = self._pending.pop(fd, b"")
         self._partial_since.pop(fd, None)
         self._where.pop(fd, None)
+        if self._sink is not None and rest:
+            self._to_sink(fd, where, rest)
+            rest = b""
         if fd in self._bars:  # the rank ended on a bar line: its last state is its final one
             if rest.strip():
                 self._bars[fd].text = rest.decode("utf-8", errors="replace")
             self._end_bar(fd, where)
+            rest = b""
+        if fd in self._growing:
+            self._growing[fd].text += rest.decode("utf-8", errors="replace")
+            self._end_growing(fd, where)
             rest = b""
         if rest or self._open_line[where[1]] == fd:
             self._write(fd, where, rest + b"\n")
@@ -462,10 +591,14 @@ class OutputRelay:
                 self._where[fd] = (rank, stream)
                 self._adopted.add(fd)
 
-    def retarget(self, stdout: TextIO, stderr: TextIO) -> None:
-        """Write to these streams from now on (the cell that runs now)."""
+    def retarget(self, stdout: TextIO, stderr: TextIO,
+                 sink: Optional[Callable[[int, str, str], None]] = None) -> None:
+        """Write to these streams from now on (the cell that runs now); or, with ``sink``, give
+        each rank's output to ``sink(rank, "stdout" | "stderr", text)`` as it comes, raw, until
+        :meth:`end_call` (a per-rank view)."""
         stdout, stderr = _underlying(stdout), _underlying(stderr)
         with self._lock:
+            self._sink = sink
             self._targets = (stdout, stderr)
             self._trackers = (_LineTracker(stdout, self._cond), _LineTracker(stderr, self._cond))
             self._display = _notebook_display(stdout)
@@ -502,8 +635,12 @@ class OutputRelay:
                 rest = _whole_characters(self._pending.get(fd, b""))
                 self._pending[fd] = self._pending[fd][len(rest):]
                 self._partial_since.pop(fd, None)
-                if rest:
-                    self._write(fd, where, rest)  # as it is: a cell's last "end=''" is kept
+                if rest and self._sink is not None:
+                    self._to_sink(fd, where, rest)
+                elif rest:
+                    self._write_partial(fd, where, rest)  # as it is: a cell's last "end=''" is kept
+                self._end_growing(fd, where)
+            self._sink = None
             # The next call's output starts on lines of its own (a new cell's output area).
             self._open_line = [None, None]
             for tracker in self._trackers:
@@ -534,6 +671,7 @@ class OutputRelay:
             if self._open_line[0] == fd:  # what the rank writes after the answer starts a new line
                 self._open_line[0] = None
                 self._trackers[0].rank_line_open = False
+            self._end_growing(fd, (rank, 0))
             return taken.decode("utf-8", errors="replace")
 
     def _write(self, fd: int, where: tuple[int, int], data: bytes) -> None:
