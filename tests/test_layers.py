@@ -55,6 +55,7 @@ LAYERS: dict[str, int] = {
     # 1: what a call is made of: its payload, its relayed output; what the template preloads
     "payload": 1,
     "relay": 1,
+    "relay_lines": 1,  # the relay's lines: cut, live display lines, the caller's streams
     "prompts": 1,  # the caller's side of a rank's stdin: the frontend's input prompts
     "preload": 1,
     # 2, 3: a rank's process: a Session's rank serves requests (session_rank), a rank of any

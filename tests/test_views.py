@@ -14,14 +14,14 @@ import queue
 import re
 import time
 from types import SimpleNamespace
+
 import pytest
 
 pytest.importorskip("ipykernel")
 pytest.importorskip("ipywidgets")
 
-from test_debugging import ANSI, Frontend  # noqa: E402
-
 from mpify_nb.magics.views import tabs_unavailable  # noqa: E402
+from test_debugging import ANSI, Frontend  # noqa: E402
 
 CELL_TIMEOUT = 120
 
@@ -177,8 +177,9 @@ def test_two_ranks_partial_lines_each_grow_on_their_own_line(nb):
     assert sorted("".join(t for t in texts if "next" in t).splitlines()) == ["[rank 0] next 0", "[rank 1] next 1"]
     # Live: each line grew in place, one piece at a time (never one labelled line per flush).
     for r in (0, 1):
-        states = [c["data"]["text/plain"] for k, c in screen.messages
-                  if k in ("display_data", "update_display_data") and c["data"].get("text/plain", "").startswith(f"[rank {r}] a")]
+        states = [c["data"].get("text/plain", "") for k, c in screen.messages
+                  if k in ("display_data", "update_display_data")]
+        states = [t for t in states if t.startswith(f"[rank {r}] a")]
         assert states == [f"[rank {r}] a{r}", f"[rank {r}] a{r}b{r}", f"[rank {r}] a{r}b{r}c{r}",
                           f"[rank {r}] a{r}b{r}c{r} end"], states
     assert not any(o["output_type"] == "stream" and "a0" in o["text"] for o in screen.outputs()), texts
