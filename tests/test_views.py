@@ -212,8 +212,15 @@ def test_ranch_caller_text_bar_leaves_no_frozen_copy(nb):
 # -- tabs view ------------------------------------------------------------------------------------
 
 TAB_CELL = """\
+import time
 import matplotlib.pyplot as plt
 print("out", rank)
+print("part", end="", flush=True)
+time.sleep(0.3)  # shown before its end
+print("ial")
+print("\\r10%", end="", flush=True)
+time.sleep(0.3)
+print("\\r100%")  # a redraw: the tab shows its last state
 plt.figure(figsize=(2 + rank, 2))
 plt.plot([0, 1])
 plt.show()
@@ -242,7 +249,7 @@ def test_tabs_view_one_tab_per_rank_with_streams_figures_values_and_errors(nb):
         per_rank = _tab(screen, [0, 1, 2])
         for r, outputs in enumerate(per_rank):
             assert [o["output_type"] for o in outputs] == ["stream", "display_data", "execute_result"], outputs
-            assert outputs[0]["name"] == "stdout" and outputs[0]["text"] == f"out {r}\n"
+            assert outputs[0]["name"] == "stdout" and outputs[0]["text"] == f"out {r}\npartial\n100%\n"
             assert outputs[1]["data"]["text/plain"] == f"<Figure size {200 + 100 * r}x200 with 1 Axes>"
             assert outputs[1]["data"]["image/png"].startswith("iVBORw0KGgo")  # a PNG, base64
             assert outputs[2]["data"] == {"text/plain": str(10 * r)}

@@ -260,7 +260,21 @@ class OutputRelay:
 
     def _emit(self, fd: int, where: tuple[int, int], chunk: bytes) -> None:
         if self._sink is not None:
-            self._to_sink(fd, where, self._pending[fd] + chunk)
+            # Whole lines go at once; a partial one waits _PARTIAL_WAIT for its end, as in lines
+            # (so input()'s prompt, taken before it is shown, is the frontend's, not the view's).
+            cut = max(chunk.rfind(b"\n"), chunk.rfind(b"\r")) + 1
+            if cut:
+                whole, tail = self._pending[fd] + chunk[:cut], chunk[cut:]
+                self._to_sink(fd, where, whole)  # it ends with a line end: whole characters
+                self._pending[fd] = tail
+            else:
+                self._pending[fd] += chunk
+            if not self._pending[fd]:
+                self._partial_since.pop(fd, None)
+            elif len(self._pending[fd]) > _LONG_LINE:
+                self._to_sink(fd, where, self._pending[fd])
+            elif cut or fd not in self._partial_since:
+                self._partial_since[fd] = time.monotonic()
             return
         # What is pending holds no line end, so only the new chunk is searched for one.
         cut = max(chunk.rfind(b"\n"), chunk.rfind(b"\r")) + 1
@@ -395,6 +409,9 @@ class OutputRelay:
     def _show_partial(self, fd: int, where: tuple[int, int]) -> None:
         """Write out ``fd``'s pending partial line (its whole characters) now."""
         buf = self._pending.get(fd, b"")
+        if self._sink is not None:
+            self._to_sink(fd, where, buf)
+            return
         shown = whole_characters(buf)
         if not shown:
             return
