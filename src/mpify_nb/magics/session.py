@@ -8,6 +8,7 @@
     %%rank [0]                 # on rank 0 only
     %%local                    # in the kernel only
     %dist_pull x --all         # every rank's x, as a list, into the notebook
+    %dist_view tabs            # from the next cell: one tab per rank (views.py)
 
 Where a cell goes (the kernel is never a rank)::
 
@@ -16,12 +17,13 @@ Where a cell goes (the kernel is never a rank)::
                                                                  │
         kernel: %magic / !shell lines <──────────────────────────┤
         names the piece reads that a rank lacks ── Session.push ─┤ (one-line note)
-        ranks: code ── Session.run(source, filename="Cell In[n]") ┘
-                 <── live "[rank k] ..." lines, rich display, values by rank, errors
+        ranks: code ── Session.run(source, filename="Cell In[n]", display=view) ┘
+                 <── through the cell's view (views.py): live "[rank k] ..." lines, rich
+                     display in rank order, values by rank; or a tab per rank. Errors.
 
 The Session (session.py at the package root) owns the processes, the channels, output
-relay, interrupts and errors; this module turns cells into Session calls and shows
-what comes back.
+relay, interrupts and errors. This module holds the magics themselves; running a rank cell
+is rank_cells.py's job, where a cell goes router.py's, the status table status.py's.
 """
 
 from __future__ import annotations
