@@ -57,6 +57,7 @@ LAYERS: dict[str, int] = {
     "payload": 1,
     "relay": 1,
     "comms": 1,  # the caller's side of the ranks' widget comms: twins in the kernel
+    "relay_lines": 1,  # the relay's lines: cut, live display lines, the caller's streams
     "prompts": 1,  # the caller's side of a rank's stdin: the frontend's input prompts
     "preload": 1,
     # 2, 3: a rank's process: a Session's rank serves requests (session_rank), a rank of any
@@ -87,6 +88,10 @@ LAYERS: dict[str, int] = {
     "magics.onrank": 8,
     "magics.ranch": 8,
     "magics.session": 8,
+    "magics.router": 8,  # where a cell goes (automatic mode), which ranks %%rank names
+    "magics.status": 8,  # %dist_status's table
+    "magics.views": 8,  # lines or tabs: how a persistent cell shows its ranks' output
+    "magics.rank_cells": 8,  # a rank cell's pieces run in order, through the cell's view
     # 9: the package's front door (re-exports, %load_ext, the "ray" placement's provider)
     PACKAGE: 9,
 }

@@ -8,10 +8,12 @@ caller's own ``sys.stdout``/``sys.stderr``, each line prefixed with its rank::
 
 A line ends at ``\\n`` (or ``\\r``: see bars below). A partial
 line (``print("working...", end="", flush=True)``) is shown once it has waited
-``_PARTIAL_WAIT`` seconds for its end, and its end then continues it on the same
-line, unless another rank (or the caller) wrote meanwhile: then a newline closes
-the open line first and the rest comes on a new, labelled one. So output is live
-and lines of different ranks never interleave mid-line. The pipes are always
+``_PARTIAL_WAIT`` seconds for its end. In Jupyter it is then a live display line of
+its rank's own (display_id), which grows as more comes and is finished there by its
+end, so two ranks' partial lines each grow on their own line. Elsewhere its end
+continues it on the same line, unless another rank (or the caller) wrote meanwhile:
+then a newline closes the open line first and the rest comes on a new, labelled
+one. So output is live and lines of different ranks never interleave mid-line. The pipes are always
 drained, so a rank can never block on a full pipe, and nothing is lost at exit.
 
 A carriage-return line (tqdm's bar, Lightning's, ``print(..., end="\\r")``) is a
@@ -19,14 +21,19 @@ A carriage-return line (tqdm's bar, Lightning's, ``print(..., end="\\r")``) is a
 the stream. Each rank's bar is one live line of the cell instead::
 
     rank 1 pipe:  "\\rbar  3%" "\\rbar 50%" ... "\\rbar 100%" "\\n"
-        relay:    _Bar(text) --- Jupyter: display(..., display_id) then update_display
+        relay:    Bar(text) --- Jupyter: display(..., display_id) then update_display
                                  at most 10/s, left at its final state
                              --- elsewhere (terminal, file): "[rank 1] bar 50%\\n" at
                                  most every 2 s, and its final state
 
 A bare leading ``\\r`` (tqdm starts every redraw with one) shows nothing by itself.
-The caller's own bar (rank 0) is the notebook's own output and is left alone: in
-Jupyter its stream redraws in place, or tqdm.auto shows a widget.
+The caller's own bar (rank 0 of ``ranch``) is the notebook's own output, unlabelled;
+in Jupyter it is a live display line too while the relay runs (``LineTracker``): in
+the stream, another rank's bar display coming between two of its redraws would leave
+its earlier state frozen above (a stream's ``\\r`` cannot reach back over an output).
+
+A per-rank view (magics/views.py, tabs) takes a Session call's output raw instead:
+``retarget(..., sink)`` gives each rank's text to ``sink(rank, "stdout", text)``.
 
 The thread runs in a copy of the caller's ``contextvars`` context: ipykernel
 uses one to route output (streams and displays) to the cell that started the call.
@@ -47,7 +54,15 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Optional, TextIO
+from typing import Any, Callable, Optional, TextIO
+
+from .relay_lines import (
+    Bar,
+    LineTracker,
+    notebook_display,
+    split_lines,
+    whole_characters,
+)
 
 _CHUNK = 1 << 16
 _MID_LINE_WAIT = 0.5
@@ -55,69 +70,6 @@ _PARTIAL_WAIT = 0.1  # how long a partial line waits for its end before it is sh
 #: A partial line (or a bar's state) this long is shown at once: what waits for its end stays
 #: bounded, so relaying costs time linear in the output's size, however long a line is.
 _LONG_LINE = _CHUNK
-_BAR_INTERVAL = 0.1  # a bar's live line in Jupyter is redrawn at most 10 times a second
-_BAR_TEXT_INTERVAL = 2.0  # elsewhere each redraw is a new line: one every 2 s (and the final one)
-
-
-class _Bar:
-    """One rank's carriage-return line (a tqdm or Lightning bar, a ``\\r`` print) while it is drawn.
-    In Jupyter it is one display output per bar, updated in place (update_display_data), which
-    stays with its final state; elsewhere a labelled line every 2 s, and the final state."""
-
-    def __init__(self, started: float) -> None:
-        self.started = started
-        self.text = ""  # its state now
-        self.shown: Optional[str] = None  # the state last shown (None: never)
-        self.last_shown: Optional[float] = None
-        self.handle: Any = None  # the Jupyter display handle, once shown
-
-    def due(self, jupyter: bool) -> float:
-        """When its next state may be shown."""
-        if jupyter:
-            return 0.0 if self.last_shown is None else self.last_shown + _BAR_INTERVAL
-        return (self.started if self.last_shown is None else self.last_shown) + _BAR_TEXT_INTERVAL
-
-
-def _notebook_display(stream: TextIO):
-    """IPython's ``display`` when ``stream`` is a Jupyter kernel's output stream, else None."""
-    if not type(stream).__module__.startswith("ipykernel."):
-        return None
-    try:
-        from IPython.core.getipython import get_ipython
-        from IPython.display import display
-    except ImportError:
-        return None
-    return display if get_ipython() is not None else None
-
-
-class _LineTracker:
-    """Stands in for one of the caller's streams during a call: passes everything
-    through, and remembers whether the caller is in the middle of a line."""
-
-    def __init__(self, stream: TextIO, cond: threading.Condition):
-        self._stream = stream
-        self._cond = cond
-        self.mid_line = False
-        self.rank_line_open = False  # a rank's partial line is shown on this stream, unfinished
-
-    def write(self, text: str) -> int:
-        with self._cond:
-            if text and self.rank_line_open:
-                self._stream.write("\n")  # the caller's text starts on a line of its own
-                self.rank_line_open = False
-            n = self._stream.write(text)
-            if text:
-                self.mid_line = not text.endswith(("\n", "\r"))
-                if not self.mid_line:
-                    self._cond.notify_all()
-        return n
-
-    def writelines(self, lines) -> None:
-        for line in lines:
-            self.write(line)
-
-    def __getattr__(self, name: str):
-        return getattr(self._stream, name)
 
 
 #: Relays running in this process, for the fork handler below.
@@ -172,7 +124,7 @@ _streams_lock = threading.Lock()
 
 
 def _underlying(stream: TextIO) -> TextIO:
-    return stream._stream if isinstance(stream, _LineTracker) else stream
+    return stream._stream if isinstance(stream, LineTracker) else stream
 
 
 class OutputRelay:
@@ -181,15 +133,20 @@ class OutputRelay:
         stdout, stderr = _underlying(stdout), _underlying(stderr)
         self._targets = (stdout, stderr)
         self._cond = threading.Condition()
-        self._trackers = (_LineTracker(stdout, self._cond), _LineTracker(stderr, self._cond))
+        self._trackers = (LineTracker(stdout, self._cond), LineTracker(stderr, self._cond))
         self._selector = selectors.DefaultSelector()
         self._pending: dict[int, bytes] = {}
         self._partial_since: dict[int, float] = {}  # fd -> when its pending partial line began
         self._where: dict[int, tuple[int, int]] = {}  # fd -> (rank, stream)
         self._adopted: set[int] = set()  # read ends the caller owns (a Session's): never closed here
-        self._bars: dict[int, _Bar] = {}  # fd -> the bar line it is drawing now
-        self._display = _notebook_display(stdout)  # None: a terminal or a file, bars as text lines
+        self._bars: dict[int, Bar] = {}  # fd -> the bar line it is drawing now
+        self._display = notebook_display(stdout)  # None: a terminal or a file, bars as text lines
         self._open_line: list[Optional[int]] = [None, None]  # per stream: the fd whose line is open
+        #: fd -> its partial line shown before its end, in Jupyter: a live display line of its own
+        self._growing: dict[int, Bar] = {}
+        #: where a call's output goes instead of the streams: sink(rank, "stdout"|"stderr", text),
+        #: raw (a per-rank view: no labels, no line assembly; see magics/views.py)
+        self._sink: Optional[Callable[[int, str, str], None]] = None
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
@@ -222,7 +179,7 @@ class OutputRelay:
         # Another call's relay (a call in another thread) may track them already: then we
         # write through its trackers, and leave the streams to it.
         with _streams_lock:
-            self._tracking = not isinstance(sys.stdout, _LineTracker) and not isinstance(sys.stderr, _LineTracker)
+            self._tracking = not isinstance(sys.stdout, LineTracker) and not isinstance(sys.stderr, LineTracker)
             if self._tracking:
                 sys.stdout, sys.stderr = self._trackers
 
@@ -250,6 +207,9 @@ class OutputRelay:
                     self._finish(key.fd, key.data)
         if self._thread.is_alive():  # it leaves once nothing is watched
             self._thread.join()
+        with self._cond:
+            for tracker in self._trackers:
+                tracker.show_bar()  # the caller's bar, left at its last state
         self._untrack()
         _running.discard(self)
         self._selector.close()
@@ -299,6 +259,23 @@ class OutputRelay:
             self._emit(fd, where, chunk)
 
     def _emit(self, fd: int, where: tuple[int, int], chunk: bytes) -> None:
+        if self._sink is not None:
+            # Whole lines go at once; a partial one waits _PARTIAL_WAIT for its end, as in lines
+            # (so input()'s prompt, taken before it is shown, is the frontend's, not the view's).
+            cut = max(chunk.rfind(b"\n"), chunk.rfind(b"\r")) + 1
+            if cut:
+                whole, tail = self._pending[fd] + chunk[:cut], chunk[cut:]
+                self._to_sink(fd, where, whole)  # it ends with a line end: whole characters
+                self._pending[fd] = tail
+            else:
+                self._pending[fd] += chunk
+            if not self._pending[fd]:
+                self._partial_since.pop(fd, None)
+            elif len(self._pending[fd]) > _LONG_LINE:
+                self._to_sink(fd, where, self._pending[fd])
+            elif cut or fd not in self._partial_since:
+                self._partial_since[fd] = time.monotonic()
+            return
         # What is pending holds no line end, so only the new chunk is searched for one.
         cut = max(chunk.rfind(b"\n"), chunk.rfind(b"\r")) + 1
         if cut:
@@ -313,7 +290,7 @@ class OutputRelay:
         if bar is not None:
             # A bar's text comes after its \r (tqdm writes "\r" + bar): what is here is its state now.
             self._partial_since.pop(fd, None)
-            shown = _whole_characters(self._pending[fd])
+            shown = whole_characters(self._pending[fd])
             if shown.strip():
                 bar.text = shown.decode("utf-8", errors="replace")
             self._show_bar(fd, where, bar)
@@ -326,9 +303,14 @@ class OutputRelay:
 
     def _lines(self, fd: int, where: tuple[int, int], data: bytes) -> None:
         """Whole lines from ``fd``: plain ones are written out labelled; a line with a carriage
-        return in it (a progress bar) becomes a live bar line (see _Bar) until its newline."""
+        return in it (a progress bar) becomes a live bar line (see Bar) until its newline."""
         plain: list[bytes] = []
-        lines, _tail = _split_lines(data)  # data ends with a line end: no tail
+        lines, _tail = split_lines(data)  # data ends with a line end: no tail
+        growing = self._growing.get(fd)
+        if growing is not None and lines:
+            if not lines[0].endswith(b"\r"):  # its end: the line is whole, where it was shown
+                growing.text += lines.pop(0).rstrip(b"\r\n").decode("utf-8", errors="replace")
+            self._end_growing(fd, where)  # (before a bar's first redraw: it ends where it is)
         for line in lines:
             is_bar_step = line.endswith(b"\r")
             bar = self._bars.get(fd)
@@ -352,16 +334,17 @@ class OutputRelay:
 
     # -- progress bars: a rank's carriage-return line, shown as one live line ------------------
 
-    def _start_bar(self, fd: int, where: tuple[int, int]) -> _Bar:
+    def _start_bar(self, fd: int, where: tuple[int, int]) -> Bar:
         stream = where[1]
+        self._end_growing(fd, where)
         if self._open_line[stream] == fd and self._trackers[stream].rank_line_open:
             self._write(fd, where, b"\n")  # its partial line, shown already, ends where it is
-        bar = self._bars[fd] = _Bar(time.monotonic())
+        bar = self._bars[fd] = Bar(time.monotonic())
         return bar
 
-    def _show_bar(self, fd: int, where: tuple[int, int], bar: _Bar, final: bool = False) -> None:
-        """Show the bar's state if it changed, at most every ``_BAR_INTERVAL`` (Jupyter) or
-        ``_BAR_TEXT_INTERVAL`` (text: a new labelled line each time) seconds; always its final state."""
+    def _show_bar(self, fd: int, where: tuple[int, int], bar: Bar, final: bool = False) -> None:
+        """Show the bar's state if it changed, at most every ``BAR_INTERVAL`` (Jupyter) or
+        ``BAR_TEXT_INTERVAL`` (text: a new labelled line each time) seconds; always its final state."""
         if bar.text == bar.shown:
             return
         now = time.monotonic()
@@ -426,21 +409,77 @@ class OutputRelay:
     def _show_partial(self, fd: int, where: tuple[int, int]) -> None:
         """Write out ``fd``'s pending partial line (its whole characters) now."""
         buf = self._pending.get(fd, b"")
-        shown = _whole_characters(buf)
+        if self._sink is not None:
+            self._to_sink(fd, where, buf)
+            return
+        shown = whole_characters(buf)
         if not shown:
             return
         self._pending[fd] = buf[len(shown):]
         self._partial_since.pop(fd, None)
-        self._write(fd, where, shown)
+        self._write_partial(fd, where, shown)
+
+    def _write_partial(self, fd: int, where: tuple[int, int], shown: bytes) -> None:
+        """A partial line's part, shown before its end. In Jupyter it grows a live display line
+        of its rank's own (update_display_data), so two ranks' partial lines each grow on their
+        own line; its end finishes it there (the display keeps it). Elsewhere it is written to
+        the stream, and another rank's writing ends it (a new labelled line continues it)."""
+        line = self._growing.get(fd)
+        if self._display is None or len(shown) + (len(line.text) if line is not None else 0) > _LONG_LINE:
+            self._end_growing(fd, where)  # redrawing a line this long would cost its length each time
+            self._write(fd, where, shown)
+            return
+        if line is None:
+            line = self._growing[fd] = Bar(time.monotonic())
+        line.text += shown.decode("utf-8", errors="replace")
+        self._show_line(where, line)
+
+    def _show_line(self, where: tuple[int, int], line: Bar) -> None:
+        if line.text == line.shown or self._display is None:
+            return
+        bundle = {"text/plain": f"[rank {where[0]}] {line.text}"}
+        try:
+            if line.handle is None:
+                self._flush_targets()  # what the ranks wrote before it stays above it
+                line.handle = self._display(bundle, raw=True, display_id=True)
+            else:
+                line.handle.update(bundle, raw=True)
+        except Exception:
+            pass  # a broken display must not kill the relay (ranks would block)
+        line.shown = line.text
+
+    def _end_growing(self, fd: int, where: tuple[int, int]) -> None:
+        line = self._growing.pop(fd, None)
+        if line is not None:
+            self._show_line(where, line)
+
+    def _to_sink(self, fd: int, where: tuple[int, int], data: bytes) -> None:
+        """A per-rank view: ``data`` goes as it is to its rank's place (whole characters)."""
+        shown = whole_characters(data)
+        self._pending[fd] = data[len(shown):]
+        self._partial_since.pop(fd, None)
+        sink = self._sink
+        if shown and sink is not None:
+            try:
+                sink(where[0], ("stdout", "stderr")[where[1]], shown.decode("utf-8", errors="replace"))
+            except Exception:
+                pass  # a broken view must not kill the relay (ranks would block)
 
     def _finish(self, fd: int, where: tuple[int, int]) -> None:
         rest = self._pending.pop(fd, b"")
         self._partial_since.pop(fd, None)
         self._where.pop(fd, None)
+        if self._sink is not None and rest:
+            self._to_sink(fd, where, rest)
+            rest = b""
         if fd in self._bars:  # the rank ended on a bar line: its last state is its final one
             if rest.strip():
                 self._bars[fd].text = rest.decode("utf-8", errors="replace")
             self._end_bar(fd, where)
+            rest = b""
+        if fd in self._growing:
+            self._growing[fd].text += rest.decode("utf-8", errors="replace")
+            self._end_growing(fd, where)
             rest = b""
         if rest or self._open_line[where[1]] == fd:
             self._write(fd, where, rest + b"\n")
@@ -462,13 +501,17 @@ class OutputRelay:
                 self._where[fd] = (rank, stream)
                 self._adopted.add(fd)
 
-    def retarget(self, stdout: TextIO, stderr: TextIO) -> None:
-        """Write to these streams from now on (the cell that runs now)."""
+    def retarget(self, stdout: TextIO, stderr: TextIO,
+                 sink: Optional[Callable[[int, str, str], None]] = None) -> None:
+        """Write to these streams from now on (the cell that runs now); or, with ``sink``, give
+        each rank's output to ``sink(rank, "stdout" | "stderr", text)`` as it comes, raw, until
+        :meth:`end_call` (a per-rank view)."""
         stdout, stderr = _underlying(stdout), _underlying(stderr)
         with self._lock:
+            self._sink = sink
             self._targets = (stdout, stderr)
-            self._trackers = (_LineTracker(stdout, self._cond), _LineTracker(stderr, self._cond))
-            self._display = _notebook_display(stdout)
+            self._trackers = (LineTracker(stdout, self._cond), LineTracker(stderr, self._cond))
+            self._display = notebook_display(stdout)
 
     def pump(self, fd: int) -> bool:
         """Relay what adopted ``fd`` has now; False once it reached end of file (its rank is
@@ -499,11 +542,15 @@ class OutputRelay:
                 if not self._read(fd, where):
                     self._finish(fd, where)
                     continue
-                rest = _whole_characters(self._pending.get(fd, b""))
+                rest = whole_characters(self._pending.get(fd, b""))
                 self._pending[fd] = self._pending[fd][len(rest):]
                 self._partial_since.pop(fd, None)
-                if rest:
-                    self._write(fd, where, rest)  # as it is: a cell's last "end=''" is kept
+                if rest and self._sink is not None:
+                    self._to_sink(fd, where, rest)
+                elif rest:
+                    self._write_partial(fd, where, rest)  # as it is: a cell's last "end=''" is kept
+                self._end_growing(fd, where)
+            self._sink = None
             # The next call's output starts on lines of its own (a new cell's output area).
             self._open_line = [None, None]
             for tracker in self._trackers:
@@ -528,12 +575,13 @@ class OutputRelay:
                 return ""
             self._read(fd, (rank, 0))
             buf = self._pending.get(fd, b"")
-            taken = _whole_characters(buf)
+            taken = whole_characters(buf)
             self._pending[fd] = buf[len(taken):]
             self._partial_since.pop(fd, None)
             if self._open_line[0] == fd:  # what the rank writes after the answer starts a new line
                 self._open_line[0] = None
                 self._trackers[0].rank_line_open = False
+            self._end_growing(fd, (rank, 0))
             return taken.decode("utf-8", errors="replace")
 
     def _write(self, fd: int, where: tuple[int, int], data: bytes) -> None:
@@ -541,7 +589,7 @@ class OutputRelay:
         line shown): that line stays open for ``fd`` until its end comes, or someone else writes."""
         rank, stream = where
         prefix = f"[rank {rank}] "
-        whole, rest = _split_lines(data)
+        whole, rest = split_lines(data)
         # A line end never falls inside a UTF-8 character: each line decodes alone.
         lines = [line.decode("utf-8", errors="replace") for line in whole]
         tail = rest.decode("utf-8", errors="replace")
@@ -566,26 +614,3 @@ class OutputRelay:
                 target.flush()
             except Exception:
                 pass  # a closed or broken caller stream must not kill the relay (ranks would block)
-
-
-def _split_lines(data: bytes) -> tuple[list[bytes], bytes]:
-    """``data`` cut after each ``\\n``, ``\\r`` or ``\\r\\n``: (whole lines, ends kept; the partial
-    line after the last end). Linear in ``len(data)`` (a regular expression such as
-    ``[^\\r\\n]*(?:\\r\\n|\\n|\\r)`` backtracks quadratically over a long line without an end,
-    in C, holding the GIL: 60 kB took 50 s)."""
-    lines = data.splitlines(keepends=True)  # bytes.splitlines cuts at these three only (str at more)
-    if lines and not lines[-1].endswith((b"\n", b"\r")):
-        return lines, lines.pop()
-    return lines, b""
-
-
-def _whole_characters(buf: bytes) -> bytes:
-    """The longest prefix of ``buf`` that does not end inside a UTF-8 character."""
-    for back in range(1, min(4, len(buf)) + 1):
-        byte = buf[-back]
-        if byte < 0x80:
-            return buf  # ASCII: whole
-        if byte >= 0xC0:  # the lead byte of a character: is it complete?
-            need = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
-            return buf if back >= need else buf[:-back]
-    return buf

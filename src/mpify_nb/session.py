@@ -670,7 +670,8 @@ class Session:
             with self._flag_lock:
                 self._current, self._interrupt_asked = req, False
             restore = _take_sigint(self._on_sigint, self)
-            self._relay.retarget(sys.stdout, sys.stderr)
+            # views hook (issue 21): a per-rank view takes the ranks' streams (magics/views.py)
+            self._relay.retarget(sys.stdout, sys.stderr, getattr(display, "rank_streams", None))
             self._prompter = None
             try:
                 for m in members:

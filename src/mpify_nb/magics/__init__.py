@@ -4,6 +4,10 @@
 ranch.py        %%ranch N: fresh ranks for one cell; %ranch_result
 session.py      persistent ranks: %dist_init, %%distributed, %%rank, %%local,
                 %dist_push/%dist_pull, %dist_status, ... driving one Session
+rank_cells.py   a rank cell run on the ranks: its pieces in order, names sent
+views.py        %dist_view: labelled lines (figures in rank order) or a tab per rank
+router.py       automatic mode's input transformer; the ranks a %%rank line names
+status.py       %dist_status's table
 auto.py         automatic mode: which cells go to the ranks, which lines stay
 onrank.py       %time / %timeit measured on the ranks
 cells.py        what every magic needs from a cell: its source compiled as

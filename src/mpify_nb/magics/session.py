@@ -8,6 +8,7 @@
     %%rank [0]                 # on rank 0 only
     %%local                    # in the kernel only
     %dist_pull x --all         # every rank's x, as a list, into the notebook
+    %dist_view tabs            # from the next cell: one tab per rank (views.py)
 
 Where a cell goes (the kernel is never a rank)::
 
@@ -16,32 +17,32 @@ Where a cell goes (the kernel is never a rank)::
                                                                  │
         kernel: %magic / !shell lines <──────────────────────────┤
         names the piece reads that a rank lacks ── Session.push ─┤ (one-line note)
-        ranks: code ── Session.run(source, filename="Cell In[n]") ┘
-                 <── live "[rank k] ..." lines, rich display, values by rank, errors
+        ranks: code ── Session.run(source, filename="Cell In[n]", display=view) ┘
+                 <── through the cell's view (views.py): live "[rank k] ..." lines, rich
+                     display in rank order, values by rank; or a tab per rank. Errors.
 
 The Session (session.py at the package root) owns the processes, the channels, output
-relay, interrupts and errors; this module turns cells into Session calls and shows
-what comes back.
+relay, interrupts and errors. This module holds the magics themselves; running a rank cell
+is rank_cells.py's job, where a cell goes router.py's, the status table status.py's.
 """
 
 from __future__ import annotations
 
-import ast
 import atexit
 import functools
 import html
 import re
 import shlex
 import sys
-from typing import Any, Callable, Optional, cast
+from typing import Any, Callable, Optional
 
-from ..errors import PayloadError
-from .auto import Piece, route, split_cell
-from .cells import CellSyntaxError, cell_number, ends_with_semicolon, labelled, notebook_names_for, show_briefly
+from .cells import cell_number, show_briefly
+from .rank_cells import RankCells, _rank_list
+from .router import CellRouter, parse_ranks
+from .status import format_bytes, status_table
+from .views import VIEWS, tabs_unavailable
 
-_INIT_USAGE = "%dist_init -n N [-g IDS] [--backend gloo|nccl] [--timeout S]"
-_INTERRUPTED = ("KeyboardInterrupt: the cell was interrupted; every rank stopped what it ran "
-                "and keeps its state")
+_INIT_USAGE = "%dist_init -n N [-g IDS] [--backend gloo|nccl] [--timeout S] [--view lines|tabs]"
 
 #: The magics object of the running shell (None before %load_ext): holds the default session.
 _current: Optional[Any] = None
@@ -57,119 +58,6 @@ def session():
         session().pull("x", rank=None)
     """
     return None if _current is None else _current._session
-
-
-class CellRouter:
-    """The input transformer of automatic mode, with what it must know about the cell
-    running now: a ``%%local`` cell, or code the magics run in the kernel, stays there
-    even when a kernel magic inside it (``%time``, ``%%capture``) transforms code again."""
-
-    def __init__(self) -> None:
-        self.automatic = False
-        self.running = 0  # cells executing now (pre_execute ... post_execute; nested ones count)
-        self.silent: list[bool] = []  # per running cell: silent (a frontend's own request, no pre_run_cell)
-        self.local_cell = False  # the cell executing now is a %%local cell
-        self.in_kernel = 0  # >0 while the magics run a cell's code in the kernel (--to both)
-
-    def __call__(self, lines: list[str]) -> list[str]:
-        try:
-            cell = "".join(lines)
-            if not self.running:  # a cell about to run (not code that a running cell transforms)
-                where, text = route(cell, self.automatic)
-                self.local_cell = where == "local"
-            else:
-                automatic = self.automatic and not self.local_cell and not self.in_kernel
-                where, text = route(cell, automatic)
-            return text.splitlines(True) if text != cell else lines
-        except Exception:  # never break the kernel's input handling
-            return lines
-
-    def pre_execute(self) -> None:
-        self.running += 1
-        self.silent.append(True)  # until pre_run_cell says otherwise (IPython skips it for silent ones)
-
-    def pre_run_cell(self, info: Any = None) -> None:
-        if self.silent:
-            self.silent[-1] = False
-
-    def in_silent_cell(self) -> bool:
-        """The running cell is a frontend's silent request (variable explorers, completions):
-        it stays in the kernel even in automatic mode."""
-        return bool(self.silent) and self.silent[-1]
-
-    def post_execute(self) -> None:
-        self.running = max(0, self.running - 1)
-        if self.silent:
-            self.silent.pop()
-        if not self.running:
-            self.local_cell = False
-
-
-def parse_ranks(spec: str, world_size: int) -> list[int]:
-    """``[0,1]``, ``[0-2]``, ``0,2``, ``1`` -> sorted rank list; ValueError when malformed or out of range."""
-    text = spec.strip()
-    if text.startswith("[") and text.endswith("]"):
-        text = text[1:-1]
-    if not text.strip():
-        raise ValueError("no rank given")
-    ranks: set[int] = set()
-    for part in text.split(","):
-        part = part.strip()
-        match = re.fullmatch(r"(\d+)\s*-\s*(\d+)|(\d+)", part)
-        if not match:
-            raise ValueError(f"{part!r} is not a rank or a range like 0-2")
-        if match.group(3) is not None:
-            ranks.add(int(match.group(3)))
-        else:
-            low, high = int(match.group(1)), int(match.group(2))
-            if low > high:
-                raise ValueError(f"the range {part} is empty")
-            ranks.update(range(low, high + 1))
-    wrong = sorted(r for r in ranks if r >= world_size)
-    if wrong:
-        raise ValueError(f"rank {', '.join(map(str, wrong))} does not exist (ranks are 0..{world_size - 1})")
-    return sorted(ranks)
-
-
-def format_bytes(n: Optional[int]) -> str:
-    """``173.2 MB``; ``-`` for None (a dead rank, no GPU)."""
-    if n is None:
-        return "-"
-    size = float(n)
-    for unit in ("B", "KB", "MB"):
-        if size < 1024:
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} GB"
-
-
-def _short_exit(detail: str) -> str:
-    """"rank 1 was killed by SIGKILL (killed by hand, or ...)" -> "killed by SIGKILL"."""
-    detail = re.sub(r"^rank \d+ (was |has )?", "", detail.splitlines()[0] if detail else "")
-    return re.sub(r"\s*\(.*$", "", detail)[:40]
-
-
-def status_table(rows: list) -> tuple[str, str]:
-    """(text, html) of ``Session.status()`` rows: rank, pid, state, device, RSS, GPU memory, last
-    cell; and each rank's node when they are not all on this machine (under Ray)."""
-    head = ["rank", "pid", "state", "device", "RSS", "GPU memory", "last cell"]
-    elsewhere = any(_node_of(row) != "127.0.0.1" for row in rows)
-    if elsewhere:
-        head.insert(2, "node")
-    cells = []
-    for row in rows:
-        state = row.state + (f" ({_short_exit(row.exit_detail)})" if getattr(row, "exit_detail", "") else "")
-        last = (row.last_cell or "").splitlines()[0] if row.last_cell else ""
-        cells.append([str(row.rank), str(row.pid), state, str(row.device), format_bytes(row.rss),
-                      format_bytes(row.gpu_memory), last[:60]])
-        if elsewhere:
-            cells[-1].insert(2, _node_of(row))
-    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(head)]
-    text = "\n".join("  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip() for line in [head, *cells])
-    style = ' style="text-align:left"'
-    header = "".join(f"<th{style}>{html.escape(h)}</th>" for h in head)
-    body = "".join("<tr>" + "".join(f"<td{style}>{html.escape(v)}</td>" for v in line) + "</tr>" for line in cells)
-    return text, f"<table><thead><tr>{header}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def _node_of(row) -> str:
@@ -201,14 +89,13 @@ def session_magics_class() -> type:
     from IPython.display import publish_display_data
 
     from ..errors import RankError
-    from . import onrank
 
     def usage(magic: str, message: str, usage_line: str = "") -> UsageError:
         tail = f"\nusage: {usage_line}" if usage_line else ""
         return UsageError(f"%{magic}: {message}{tail}\n(see %{magic}? for help)")
 
     @magics_class
-    class SessionMagics(Magics):
+    class SessionMagics(RankCells, Magics):
         """Persistent ranks: %dist_init, automatic mode, %%distributed, %%rank, %%local, ..."""
 
         def __init__(self, shell):
@@ -222,11 +109,6 @@ def session_magics_class() -> type:
             shell.events.register("pre_run_cell", self._router.pre_run_cell)
             shell.events.register("post_execute", self._router.post_execute)
             atexit.register(self._forget)
-
-        @property
-        def _sh(self) -> Any:
-            """IPython's shell (never None once registered)."""
-            return self.shell
 
         def _router_remove(self) -> None:
             if self._router in self._sh.input_transformers_cleanup:
@@ -253,6 +135,9 @@ def session_magics_class() -> type:
         @argument("-t", "--timeout", type=float, metavar="S",
                   help="fail a cell that runs longer than S seconds (default: no limit)")
         @argument("-a", "--master-addr", default="localhost", help="only this machine is supported")
+        @argument("--view", choices=list(VIEWS), metavar="lines|tabs",
+                  help="how cells show the ranks' output: labelled lines (default) or one tab per rank "
+                       "(as %%dist_view)")
         @line_magic
         def dist_init(self, line: str) -> None:
             """Start N persistent ranks with a torch.distributed group up, and turn automatic
@@ -312,6 +197,8 @@ def session_magics_class() -> type:
                 show_briefly(e, ["KeyboardInterrupt: %dist_init was interrupted; no rank was kept"])
                 raise
             self._timeout = args.timeout
+            if args.view is not None:
+                self._set_view(args.view)
             self._router.automatic = True
             line_magics = self._sh.magics_manager.magics["line"]
             if line_magics.get("debug") is not self._debug_the_rank:  # %debug after a rank error: that rank
@@ -367,6 +254,7 @@ def session_magics_class() -> type:
         def _forget(self) -> None:
             s, self._session = self._session, None
             self._router.automatic = False
+            self.view = "lines"
             self._timeout = None
             line_magics = self._sh.magics_manager.magics["line"]
             if self._ipython_debug is not None and line_magics.get("debug") is self._debug_the_rank:
@@ -441,6 +329,41 @@ def session_magics_class() -> type:
             if self._ipython_debug is None:
                 raise UsageError("%debug is not available")
             return self._ipython_debug(line)
+
+        # -- views ------------------------------------------------------------------------
+
+        @line_magic
+        def dist_view(self, line: str) -> None:
+            """How persistent cells show the ranks' output; without an argument, say which.
+
+            ``lines`` (the default): each line labelled ``[rank k]``, live; figures, displays
+            and values in rank order. ``tabs``: one tab per rank (ipywidgets Tab and Output),
+            each rank's streams, figures, values, errors and widgets in its own tab, live.
+            Where widgets cannot show (no ipywidgets, no Jupyter kernel) tabs fall back to lines.
+
+            Example::
+
+                %dist_view tabs
+            """
+            arg = line.strip()
+            if arg and arg not in VIEWS:
+                raise usage("dist_view", f"expected one of {', '.join(VIEWS)}, not {arg!r}",
+                            "%dist_view [lines|tabs]")
+            if arg:
+                self._set_view(arg)
+                return
+            print(f"View: {self.view}" + (" (one tab per rank)" if self.view == "tabs" else
+                                         " (labelled lines; %dist_view tabs for one tab per rank)"))
+
+        def _set_view(self, kind: str) -> None:
+            self.view = kind
+            why = tabs_unavailable(self._sh) if kind == "tabs" else None
+            if why is not None:
+                print(f"View: tabs, shown as lines here ({why})")
+            elif kind == "tabs":
+                print("View: tabs (one tab per rank, from the next cell)")
+            else:
+                print("View: lines (each line labelled [rank k])")
 
         # -- automatic mode ----------------------------------------------------------------
 
@@ -629,187 +552,6 @@ def session_magics_class() -> type:
             publish_display_data({"text/plain": f"{text}\n({mode})",
                                   "text/html": f"{table}<p>{html.escape(mode)}</p>"})
 
-        # -- helpers -----------------------------------------------------------------------------
-
-        def _require(self, magic: str):
-            if self._session is None or self._session.closed:
-                raise UsageError(f"%{magic}: no ranks are running: %dist_init -n N starts them")
-            return self._session
-
-        def _call(self, fn: Callable[[], Any]) -> Any:
-            """A session call; an interrupt reads as one, other errors keep their own display."""
-            try:
-                return fn()
-            except KeyboardInterrupt as e:
-                show_briefly(e, [_INTERRUPTED])
-                raise
-            except TimeoutError as e:
-                show_briefly(e)
-                raise
-            except (NameError, PayloadError) as e:  # a pull's: the message says it all
-                show_briefly(e)
-                raise
-
-        def _run_cell(self, cell: str, header: Optional[str], ranks: Optional[list[int]], both: bool) -> None:
-            """Run a rank cell: its pieces in order (kernel lines in the kernel, code on ``ranks``)."""
-            shell = self._sh
-            s = self._require("distributed" if ranks is None else "rank")
-            cell_text = cell if header is None else f"{header}\n{cell}"
-            first = 1 if header is None else 2
-            filename = shell.compile.cache(cell_text, cell_number(shell))
-            plan = split_cell(cell, first)
-            for piece in plan.pieces:  # nothing runs when any part can't compile
-                if piece.kind != "kernel":
-                    self._parse(piece.source + ("\n" + piece.setup if piece.setup else ""), filename)
-            if both:
-                self._run_in_kernel(cell, first, filename)
-            quiet = ends_with_semicolon(cell)
-            for i, piece in enumerate(plan.pieces):
-                last = i == len(plan.pieces) - 1
-                if piece.kind == "kernel":
-                    if not both:  # with --to both the kernel ran it already
-                        self._run_kernel_line(piece, filename)
-                    continue
-                self._send_missing_names(piece, s, ranks)
-                if piece.kind == "ranks":
-                    values = self._call(lambda p=piece: s.run(p.source, ranks=ranks, timeout=self._timeout,
-                                                              filename=filename, display=self._show_display))
-                elif piece.kind == "time":
-                    values = self._call(lambda p=piece: s.apply(onrank.time_code, p.source, filename, cell_text,
-                                                                ranks=ranks, timeout=self._timeout))
-                else:
-                    values = self._timeit(s, piece, ranks, filename, cell_text)
-                    if piece.target:
-                        self._sh.user_ns[piece.target], values = values, None
-                if last and not quiet and values:
-                    self._show_values(values)
-
-        def _parse(self, source: str, filename: str) -> ast.Module:
-            try:
-                return ast.parse(source, filename)
-            except SyntaxError as e:
-                e.filename = filename
-                raise CellSyntaxError(e, self._sh.SyntaxTB.structured_traceback(SyntaxError, e, [])) from None
-
-        def _send_missing_names(self, piece: Piece, s, ranks: Optional[list[int]]) -> None:
-            """Names the piece reads that a rank lacks and the notebook has: to that rank, with a note."""
-            module = self._parse(piece.setup + "\n" + piece.source if piece.setup else piece.source, "<cell>")
-            names = notebook_names_for(module, self.shell)
-            if not names:
-                return
-            lacking = self._call(lambda: s.missing_names(names, ranks))
-            by_names: dict[tuple[str, ...], list[int]] = {}
-            for rank, missing in sorted(lacking.items()):
-                if missing:
-                    by_names.setdefault(tuple(n for n in names if n in missing), []).append(rank)
-            for group, group_ranks in by_names.items():
-                values = {n: self._sh.user_ns[n] for n in group}
-                try:
-                    self._call(lambda r=group_ranks, v=values: s.push(r, **v))
-                except (KeyboardInterrupt, RankError):
-                    raise
-                except Exception as e:
-                    kinds = ", ".join(f"{n!r} ({type(v).__name__})" for n, v in values.items())
-                    show_briefly(e, [f"{type(e).__name__}: the cell uses the notebook's {kinds}, which "
-                                     f"rank {_rank_list(group_ranks)} lacks, and it cannot be sent: {e}. "
-                                     "Define it in a cell that runs on the ranks."])
-                    raise
-                print(f"[mpify_nb] sent from the notebook to rank {_rank_list(group_ranks)}: {', '.join(group)}")
-
-        def _run_kernel_line(self, piece: Piece, filename: str) -> None:
-            """A %magic / !shell / help line of a rank cell, run in the kernel in its turn."""
-            code = self._sh.transform_cell(piece.source)
-            exec(compile("\n" * (piece.lineno - 1) + code, filename, "exec"), self._sh.user_ns)
-
-        def _run_in_kernel(self, cell: str, first: int, filename: str, show: bool = True) -> None:
-            """``--to both``: the cell in the kernel, its value shown as ``[kernel]``; an error
-            shows the cell's frames only and fails the cell."""
-            shell = self._sh
-            self._router.in_kernel += 1
-            try:
-                code = shell.transform_cell(cell)
-            finally:
-                self._router.in_kernel -= 1
-            module = self._parse("\n" * (first - 1) + code, filename)
-            tail = None
-            if module.body and isinstance(module.body[-1], ast.Expr):
-                tail = ast.Expression(cast(ast.Expr, module.body.pop()).value)
-            try:
-                exec(compile(module, filename, "exec"), shell.user_ns)
-                value = eval(compile(tail, filename, "eval"), shell.user_ns) if tail is not None else None
-            except BaseException as e:
-                tb = e.__traceback__
-                while tb is not None and tb.tb_frame.f_code.co_filename != filename:
-                    tb = tb.tb_next
-                if tb is not None and not isinstance(e, KeyboardInterrupt):
-                    stb = shell.InteractiveTB.structured_traceback(type(e), e, tb)
-                    show_briefly(e, ["[kernel]", *stb] if isinstance(stb, list) else None)
-                raise
-            if show and value is not None and not ends_with_semicolon(cell):
-                self._show_values({"kernel": value})
-
-        def _timeit(self, s, piece: Piece, ranks: Optional[list[int]], filename: str, cell_text: str):
-            """%timeit on the ranks: the kernel picks the loop count, so every rank loops as often."""
-            from IPython.core.magics.execution import TimeitResult
-
-            opts, _ = self.parse_options(piece.options + " _", "n:r:qop:t:c", posix=False, strict=False)
-            number = int(opts.get("n", 0)) or None
-            repeat = int(opts.get("r", 7))
-            precision = int(opts.get("p", 3))
-
-            def loops(n: int, r: int) -> dict:
-                return self._call(lambda: s.apply(onrank.timeit_loops, piece.source, piece.setup, filename,
-                                                  cell_text, n, r, ranks=ranks, timeout=self._timeout))
-
-            if number is None:  # IPython's autorange, agreed by all ranks: the slowest one decides
-                number = 1
-                for power in range(10):
-                    number = 10 ** power
-                    if max(t[0] for t in loops(number, 1).values()) >= 0.2:
-                        break
-            results = {rank: TimeitResult(number, repeat, min(t) / number, max(t) / number, t, 0, precision)
-                       for rank, t in sorted(loops(number, repeat).items())}
-            if "q" not in opts:
-                print("\n".join(labelled(rank, str(result)) for rank, result in results.items()))
-            return results if "o" in opts or piece.target else None
-
-        def _show_display(self, rank: int, bundle: dict) -> None:
-            """Rich display from a rank (display(df), a figure), labelled, in the running cell."""
-            data = dict(bundle.get("data", bundle)) if isinstance(bundle, dict) else {"text/plain": repr(bundle)}
-            metadata = bundle.get("metadata", {}) if isinstance(bundle, dict) and "data" in bundle else {}
-            plain = data.get("text/plain", "")
-            if set(data) <= {"text/plain"}:
-                publish_display_data({"text/plain": labelled(rank, plain)})
-            elif "text/html" in data:
-                data["text/html"] = f"<div><code>[rank {rank}]</code></div>{data['text/html']}"
-                data["text/plain"] = labelled(rank, plain)
-                publish_display_data(data, metadata)
-            else:
-                publish_display_data({"text/plain": f"[rank {rank}]"})
-                publish_display_data(data, metadata)
-
-        def _show_values(self, values: dict) -> None:
-            """The last expression's value per rank, labelled; rich values under their label."""
-            formatter = self._sh.display_formatter
-            lines: list[str] = []
-            for rank, value in values.items():
-                if value is None:
-                    continue
-                data, metadata = formatter.format(value)
-                _forget_figure(value)
-                label = f"[{rank}]" if rank == "kernel" else f"[rank {rank}]"
-                if set(data) - {"text/plain"}:
-                    if lines:
-                        publish_display_data({"text/plain": "\n".join(lines)})
-                        lines = []
-                    publish_display_data({"text/plain": label})
-                    publish_display_data(data, metadata)
-                else:
-                    text = data.get("text/plain", repr(value))
-                    lines.append(label + " " + text.replace("\n", "\n" + " " * (len(label) + 1)))
-            if lines:
-                publish_display_data({"text/plain": "\n".join(lines)})
-
     return SessionMagics
 
 
@@ -824,17 +566,4 @@ def _sync_on_rank() -> None:
         dist.barrier()
 
 
-def _forget_figure(value: Any) -> None:
-    """A figure a rank returned was unpickled into the kernel's pyplot: close it there, or the
-    kernel's inline backend shows it a second time when the cell ends."""
-    pyplot = sys.modules.get("matplotlib.pyplot")
-    figure = sys.modules.get("matplotlib.figure")
-    if pyplot is not None and figure is not None and isinstance(value, figure.Figure):
-        pyplot.close(value)
-
-
-def _rank_list(ranks) -> str:
-    return ", ".join(str(r) for r in ranks)
-
-
-__all__ = ["session", "parse_ranks", "status_table", "CellRouter", "load"]
+__all__ = ["session", "parse_ranks", "status_table", "format_bytes", "CellRouter", "load"]
