@@ -282,14 +282,27 @@ def test_an_ipympl_figure_per_rank_draws_for_the_frontend(fe):
     fe.cell("plt.close('all')")
 
 
-def test_a_restart_closes_the_ranks_models_and_shutdown_closes_the_rest(fe):
-    rank_1 = eval(fe.cell("%%local\nfrom mpify_nb.magics.session import session\n"
-                          "print(session()._comms.open_ids(1))").stdout)
+def rank_ids(fe: WidgetFrontend, rank: int) -> list[str]:
+    """The comm ids of ``rank``'s models that the kernel holds open now."""
+    return eval(fe.cell(f"%%local\nfrom mpify_nb.magics.session import session\n"
+                        f"print(session()._comms.open_ids({rank}))").stdout)
+
+
+def test_a_restart_or_a_death_closes_the_ranks_models_and_shutdown_closes_the_rest(fe):
+    rank_1 = rank_ids(fe, 1)
     assert fe.slider[1] in rank_1 and fe.slider[0] not in rank_1
     closed = len(fe.closed)
     fe.cell("%dist_restart 1")
     assert sorted(fe.closed[closed:]) == sorted(rank_1)
     fe.cell("import ipywidgets as widgets\ns = widgets.IntSlider(value=rank)\ndisplay(s)")  # the new rank 1 too
+    rank_1 = rank_ids(fe, 1)
+    assert len(rank_1) == 3  # its slider, the slider's layout and style
+    closed = len(fe.closed)
+    died = fe.cell("%%rank [1]\nimport os, signal\nos.kill(os.getpid(), signal.SIGKILL)", ok=False)
+    assert died.status == "error"
+    assert sorted(fe.closed[closed:]) == sorted(rank_1)  # closed as the cell learned of its death
+    fe.cell("%dist_restart")
+    fe.cell("%%rank [1]\nimport ipywidgets as widgets\ns = widgets.IntSlider(value=rank)\ndisplay(s)")
     ranks = [i for i in fe.open_ids() if i not in fe.kernel_ids]
     closed = len(fe.closed)
     fe.cell("%dist_shutdown")
