@@ -331,3 +331,18 @@ def test_without_a_kernel_rank_widgets_are_text(capsys):
         assert s.run("type(w.comm).__name__") == {0: "DummyComm", 1: "DummyComm"}
     assert sorted(capsys.readouterr().out.splitlines()) == ["[rank 0] IntSlider(value=0)",
                                                            "[rank 1] IntSlider(value=1)"]
+
+
+def test_ranks_forked_from_a_template_that_preloaded_text_tqdm_get_widget_bars(fe):
+    """A %%ranch cell taught the template tqdm.auto, imported where no kernel shell is loaded
+    (text bars, right for %%ranch); a persistent rank forked from it chooses again."""
+    fe.cell("%%local\nimport mpify_nb, mpify_nb.template\nmpify_nb.set_preload(['tqdm.autonotebook'])")
+    for _ in range(2):  # the first call starts the new template, the next one is forked from it
+        fe.cell("%%ranch 2\nfrom tqdm.auto import tqdm")
+        fe.cell("%%local\nassert mpify_nb.template.wait_preloaded(120)")
+    fe.cell("%dist_init -n 2")
+    seen = fe.cell("import sys\npreloaded = 'tqdm.autonotebook' in sys.modules\nfrom tqdm.auto import tqdm\n"
+                   "preloaded, tqdm.__mro__[1].__module__")
+    assert seen.results == ["[rank 0] (True, 'tqdm.notebook')\n[rank 1] (True, 'tqdm.notebook')"]
+    fe.cell("%dist_shutdown")
+    fe.cell("%%local\nmpify_nb.set_preload(False)")
