@@ -333,10 +333,10 @@ def test_without_a_kernel_rank_widgets_are_text(capsys):
                                                            "[rank 1] IntSlider(value=1)"]
 
 
-def test_ranks_forked_from_a_template_that_preloaded_text_tqdm_get_widget_bars(fe):
-    """A %%ranch cell taught the template tqdm.auto, imported where no kernel shell is loaded
-    (text bars, right for %%ranch); a persistent rank forked from it chooses again."""
-    fe.cell("%%local\nimport mpify_nb, mpify_nb.template\nmpify_nb.set_preload(['tqdm.autonotebook'])")
+def test_ranks_forked_from_a_template_that_preloaded_widgets_and_tqdm_get_them_right(fe):
+    """The template imported tqdm.auto where no kernel shell is loaded (text bars, right for
+    %%ranch): a persistent rank forked from it chooses again."""
+    fe.cell("%%local\nimport mpify_nb, mpify_nb.template\nmpify_nb.set_preload(['tqdm.autonotebook', 'ipywidgets'])")
     for _ in range(2):  # the first call starts the new template, the next one is forked from it
         fe.cell("%%ranch 2\nfrom tqdm.auto import tqdm")
         fe.cell("%%local\nassert mpify_nb.template.wait_preloaded(120)")
@@ -344,5 +344,10 @@ def test_ranks_forked_from_a_template_that_preloaded_text_tqdm_get_widget_bars(f
     seen = fe.cell("import sys\npreloaded = 'tqdm.autonotebook' in sys.modules\nfrom tqdm.auto import tqdm\n"
                    "preloaded, tqdm.__mro__[1].__module__")
     assert seen.results == ["[rank 0] (True, 'tqdm.notebook')\n[rank 1] (True, 'tqdm.notebook')"]
+    # interact and Output, preloaded too, show and clear through the rank's display and clear_output
+    seen = fe.cell("import ipywidgets.widgets.interaction as interaction, IPython.display\n"
+                   "[f.__module__ for f in (interaction.display, interaction.clear_output, IPython.display.display)]")
+    modules = "['mpify_nb.rank_display', 'mpify_nb.rank_comms', 'mpify_nb.rank_display']"
+    assert seen.results == [f"[rank 0] {modules}\n[rank 1] {modules}"]
     fe.cell("%dist_shutdown")
     fe.cell("%%local\nmpify_nb.set_preload(False)")
