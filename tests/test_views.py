@@ -285,6 +285,19 @@ def test_dist_view_rejects_a_bad_argument(nb):
                      "usage: %dist_view [lines|tabs]\n(see %dist_view? for help)\n"), error
 
 
+def test_tabs_without_ipywidgets_fall_back_to_lines_with_a_note(nb):
+    nb.good("%%local\nimport sys\n_ipywidgets = sys.modules.get('ipywidgets')\nsys.modules['ipywidgets'] = None")
+    try:
+        assert nb.good("%dist_view tabs").stdout() == "View: tabs, shown as lines here (ipywidgets is not installed)\n"
+        lines = nb.good("print('no widgets', rank)")
+        assert lines.models() == {}
+        assert sorted("".join(lines.texts()).splitlines()) == [f"[rank {r}] no widgets {r}" for r in range(3)]
+    finally:
+        nb.good("%%local\nif _ipywidgets is None:\n    del sys.modules['ipywidgets']\n"
+                "else:\n    sys.modules['ipywidgets'] = _ipywidgets")
+        nb.good("%dist_view lines")
+
+
 def test_tabs_need_a_jupyter_kernel():
     assert tabs_unavailable(SimpleNamespace()) == "this frontend has no Jupyter kernel with comms"
     assert tabs_unavailable(SimpleNamespace(kernel=object())) is None

@@ -67,10 +67,11 @@ class LineTracker:
             if text and self.rank_line_open:
                 self._stream.write("\n")  # the caller's text starts on a line of its own
                 self.rank_line_open = False
+            written = len(text)
             if self._display is not None and (self._bar is not None or redraws(text)):
                 text = self._draw_bar(text)  # what follows the bar's newline, if any
                 if not text:
-                    return 0
+                    return written
             n = self._stream.write(text)
             if text:
                 self.mid_line = not text.endswith(("\n", "\r"))
