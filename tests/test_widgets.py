@@ -282,14 +282,27 @@ def test_an_ipympl_figure_per_rank_draws_for_the_frontend(fe):
     fe.cell("plt.close('all')")
 
 
-def test_a_restart_closes_the_ranks_models_and_shutdown_closes_the_rest(fe):
-    rank_1 = eval(fe.cell("%%local\nfrom mpify_nb.magics.session import session\n"
-                          "print(session()._comms.open_ids(1))").stdout)
+def rank_ids(fe: WidgetFrontend, rank: int) -> list[str]:
+    """The comm ids of ``rank``'s models that the kernel holds open now."""
+    return eval(fe.cell(f"%%local\nfrom mpify_nb.magics.session import session\n"
+                        f"print(session()._comms.open_ids({rank}))").stdout)
+
+
+def test_a_restart_or_a_death_closes_the_ranks_models_and_shutdown_closes_the_rest(fe):
+    rank_1 = rank_ids(fe, 1)
     assert fe.slider[1] in rank_1 and fe.slider[0] not in rank_1
     closed = len(fe.closed)
     fe.cell("%dist_restart 1")
     assert sorted(fe.closed[closed:]) == sorted(rank_1)
     fe.cell("import ipywidgets as widgets\ns = widgets.IntSlider(value=rank)\ndisplay(s)")  # the new rank 1 too
+    rank_1 = rank_ids(fe, 1)
+    assert len(rank_1) == 3  # its slider, the slider's layout and style
+    closed = len(fe.closed)
+    died = fe.cell("%%rank [1]\nimport os, signal\nos.kill(os.getpid(), signal.SIGKILL)", ok=False)
+    assert died.status == "error"
+    assert sorted(fe.closed[closed:]) == sorted(rank_1)  # closed as the cell learned of its death
+    fe.cell("%dist_restart")
+    fe.cell("%%rank [1]\nimport ipywidgets as widgets\ns = widgets.IntSlider(value=rank)\ndisplay(s)")
     ranks = [i for i in fe.open_ids() if i not in fe.kernel_ids]
     closed = len(fe.closed)
     fe.cell("%dist_shutdown")
@@ -318,3 +331,23 @@ def test_without_a_kernel_rank_widgets_are_text(capsys):
         assert s.run("type(w.comm).__name__") == {0: "DummyComm", 1: "DummyComm"}
     assert sorted(capsys.readouterr().out.splitlines()) == ["[rank 0] IntSlider(value=0)",
                                                            "[rank 1] IntSlider(value=1)"]
+
+
+def test_ranks_forked_from_a_template_that_preloaded_widgets_and_tqdm_get_them_right(fe):
+    """The template imported tqdm.auto where no kernel shell is loaded (text bars, right for
+    %%ranch): a persistent rank forked from it chooses again."""
+    fe.cell("%%local\nimport mpify_nb, mpify_nb.template\nmpify_nb.set_preload(['tqdm.autonotebook', 'ipywidgets'])")
+    for _ in range(2):  # the first call starts the new template, the next one is forked from it
+        fe.cell("%%ranch 2\nfrom tqdm.auto import tqdm")
+        fe.cell("%%local\nassert mpify_nb.template.wait_preloaded(120)")
+    fe.cell("%dist_init -n 2")
+    seen = fe.cell("import sys\npreloaded = 'tqdm.autonotebook' in sys.modules\nfrom tqdm.auto import tqdm\n"
+                   "preloaded, tqdm.__mro__[1].__module__")
+    assert seen.results == ["[rank 0] (True, 'tqdm.notebook')\n[rank 1] (True, 'tqdm.notebook')"]
+    # interact and Output, preloaded too, show and clear through the rank's display and clear_output
+    seen = fe.cell("import ipywidgets.widgets.interaction as interaction, IPython.display\n"
+                   "[f.__module__ for f in (interaction.display, interaction.clear_output, IPython.display.display)]")
+    modules = "['mpify_nb.rank_display', 'mpify_nb.rank_comms', 'mpify_nb.rank_display']"
+    assert seen.results == [f"[rank 0] {modules}\n[rank 1] {modules}"]
+    fe.cell("%dist_shutdown")
+    fe.cell("%%local\nmpify_nb.set_preload(False)")

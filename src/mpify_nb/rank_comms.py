@@ -77,6 +77,7 @@ def install(send: Callable[[dict], None]) -> None:
     functions = sys.modules.get("IPython.core.display_functions")
     if functions is not None:
         _patch_clear(functions)
+        _rebind_preloaded(functions)
     else:
         sys.meta_path.insert(0, _AfterImport("IPython.core.display_functions", _patch_clear))
     if "tqdm.autonotebook" in sys.modules:  # preloaded by the template, where it chose text bars
@@ -196,6 +197,26 @@ def _patch_clear(module: Any) -> None:
 
     clear_output.__doc__ = original.__doc__
     module.clear_output = clear_output
+
+
+def _rebind_preloaded(functions: Any) -> None:
+    """Modules the template preloaded (ipywidgets' interact and Output, IPython.display) bound
+    IPython's ``display`` and ``clear_output`` before this rank replaced them (rank_display.py,
+    here): rebind those names to the replacements."""
+    shown = sys.modules.get("IPython.display")
+    if shown is None:
+        return
+    swaps = [(name, shown.__dict__.get(name), functions.__dict__.get(name)) for name in ("display", "clear_output")]
+    swaps = [(name, old, new) for name, old, new in swaps if old is not None and new is not None and old is not new]
+    if not swaps:
+        return
+    for module in list(sys.modules.values()):
+        names = getattr(module, "__dict__", None)  # never getattr(module, name): a module's __getattr__ may import
+        if not isinstance(names, dict):
+            continue
+        for name, old, new in swaps:
+            if names.get(name) is old:
+                names[name] = new
 
 
 def _want_widget_tqdm() -> None:

@@ -56,13 +56,7 @@ import time
 import weakref
 from typing import Any, Callable, Optional, TextIO
 
-from .relay_lines import (
-    Bar,
-    LineTracker,
-    notebook_display,
-    split_lines,
-    whole_characters,
-)
+from .relay_lines import Bar, LineTracker, ViewFeed, notebook_display, split_lines, whole_characters
 
 _CHUNK = 1 << 16
 _MID_LINE_WAIT = 0.5
@@ -146,7 +140,7 @@ class OutputRelay:
         self._growing: dict[int, Bar] = {}
         #: where a call's output goes instead of the streams: sink(rank, "stdout"|"stderr", text),
         #: raw (a per-rank view: no labels, no line assembly; see magics/views.py)
-        self._sink: Optional[Callable[[int, str, str], None]] = None
+        self._sink: Optional[ViewFeed] = None
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
@@ -355,17 +349,10 @@ class OutputRelay:
             if bar.text:
                 self._write(fd, where, (bar.text + "\n").encode())
         else:
-            bundle = {"text/plain": label + bar.text}
-            try:
-                if bar.handle is None:
-                    if not bar.text:
-                        return  # a bare "\r", or a bar cleared before it was shown: no empty line
-                    self._flush_targets()  # what the ranks wrote before the bar stays above it
-                    bar.handle = self._display(bundle, raw=True, display_id=True)
-                else:
-                    bar.handle.update(bundle, raw=True)
-            except Exception:
-                pass  # a broken display must not kill the relay (ranks would block)
+            if bar.handle is None and not bar.text:
+                return  # a bare "\r", or a bar cleared before it was shown: no empty line
+            # (what the ranks wrote before the bar stays above it)
+            bar.draw(self._display, {"text/plain": label + bar.text}, self._flush_targets)
         bar.shown = bar.text
         bar.last_shown = now
 
@@ -391,6 +378,7 @@ class OutputRelay:
         """Seconds until the oldest pending partial line, or a bar's new state, is due to be
         shown (None: none)."""
         due = [since + _PARTIAL_WAIT for since in self._partial_since.values()]
+        due += self._sink.due() if self._sink is not None else []
         jupyter = self._display is not None
         due += [bar.due(jupyter) for bar in self._bars.values() if bar.text != bar.shown]
         if not due:
@@ -400,6 +388,8 @@ class OutputRelay:
     def _show_partials(self) -> None:
         self._show_due_bars()
         now = time.monotonic()
+        if self._sink is not None:
+            self._sink.give_due()
         for fd, since in list(self._partial_since.items()):
             if now - since >= _PARTIAL_WAIT:
                 where = self._where.get(fd)
@@ -437,15 +427,7 @@ class OutputRelay:
     def _show_line(self, where: tuple[int, int], line: Bar) -> None:
         if line.text == line.shown or self._display is None:
             return
-        bundle = {"text/plain": f"[rank {where[0]}] {line.text}"}
-        try:
-            if line.handle is None:
-                self._flush_targets()  # what the ranks wrote before it stays above it
-                line.handle = self._display(bundle, raw=True, display_id=True)
-            else:
-                line.handle.update(bundle, raw=True)
-        except Exception:
-            pass  # a broken display must not kill the relay (ranks would block)
+        line.draw(self._display, {"text/plain": f"[rank {where[0]}] {line.text}"}, self._flush_targets)
         line.shown = line.text
 
     def _end_growing(self, fd: int, where: tuple[int, int]) -> None:
@@ -458,20 +440,19 @@ class OutputRelay:
         shown = whole_characters(data)
         self._pending[fd] = data[len(shown):]
         self._partial_since.pop(fd, None)
-        sink = self._sink
-        if shown and sink is not None:
-            try:
-                sink(where[0], ("stdout", "stderr")[where[1]], shown.decode("utf-8", errors="replace"))
-            except Exception:
-                pass  # a broken view must not kill the relay (ranks would block)
+        if shown and self._sink is not None:
+            self._sink.add(fd, where, shown.decode("utf-8", errors="replace"))
 
     def _finish(self, fd: int, where: tuple[int, int]) -> None:
         rest = self._pending.pop(fd, b"")
         self._partial_since.pop(fd, None)
         self._where.pop(fd, None)
-        if self._sink is not None and rest:
-            self._to_sink(fd, where, rest)
-            rest = b""
+        if self._sink is not None:
+            if rest:
+                self._to_sink(fd, where, rest)
+                self._pending.pop(fd, None)
+                rest = b""
+            self._sink.give(fd)
         if fd in self._bars:  # the rank ended on a bar line: its last state is its final one
             if rest.strip():
                 self._bars[fd].text = rest.decode("utf-8", errors="replace")
@@ -508,7 +489,7 @@ class OutputRelay:
         :meth:`end_call` (a per-rank view)."""
         stdout, stderr = _underlying(stdout), _underlying(stderr)
         with self._lock:
-            self._sink = sink
+            self._sink = ViewFeed(sink) if sink is not None else None
             self._targets = (stdout, stderr)
             self._trackers = (LineTracker(stdout, self._cond), LineTracker(stderr, self._cond))
             self._display = notebook_display(stdout)
@@ -550,6 +531,8 @@ class OutputRelay:
                 elif rest:
                     self._write_partial(fd, where, rest)  # as it is: a cell's last "end=''" is kept
                 self._end_growing(fd, where)
+            if self._sink is not None:
+                self._sink.give_all()
             self._sink = None
             # The next call's output starts on lines of its own (a new cell's output area).
             self._open_line = [None, None]

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Optional, TextIO
+from typing import Any, Callable, Optional, TextIO
 
 BAR_INTERVAL = 0.1  # a bar's live line in Jupyter is redrawn at most 10 times a second
 BAR_TEXT_INTERVAL = 2.0  # elsewhere each redraw is a new line: one every 2 s (and the final one)
+#: A per-rank view gets a rank's text at most this often (each update of a widget's outputs
+#: resends all of them: given a line at a time, 1000 lines sent 20 MB; now 1.2 MB)
+VIEW_INTERVAL = 0.1
 
 
 class Bar:
@@ -35,6 +38,55 @@ class Bar:
         if jupyter:
             return 0.0 if self.last_shown is None else self.last_shown + BAR_INTERVAL
         return (self.started if self.last_shown is None else self.last_shown) + BAR_TEXT_INTERVAL
+
+    def draw(self, display: Callable, bundle: dict, before: Callable[[], None]) -> None:
+        """Show ``bundle`` as this line: a new display (after ``before()``) the first time, then
+        an update of it. Never raises: a broken display must not stop the relay (ranks would block)."""
+        try:
+            if self.handle is None:
+                before()
+                self.handle = display(bundle, raw=True, display_id=True)
+            else:
+                self.handle.update(bundle, raw=True)
+        except Exception:
+            pass
+
+
+class ViewFeed:
+    """A per-rank view's feed (magics/views.py): each fd's text goes to ``sink(rank, "stdout" |
+    "stderr", text)`` at most every ``VIEW_INTERVAL`` seconds; the relay asks when it is due."""
+
+    def __init__(self, sink: Callable[[int, str, str], None]) -> None:
+        self.sink = sink
+        self._held: dict[int, tuple[tuple[int, int], str]] = {}  # fd -> (rank, stream), its text
+        self._last: dict[int, float] = {}  # fd -> when the sink last got its text
+
+    def add(self, fd: int, where: tuple[int, int], text: str) -> None:
+        self._held[fd] = (where, self._held[fd][1] + text if fd in self._held else text)
+        if time.monotonic() >= self._last.get(fd, 0.0) + VIEW_INTERVAL:
+            self.give(fd)
+
+    def give(self, fd: int) -> None:
+        held = self._held.pop(fd, None)
+        self._last[fd] = time.monotonic()
+        if held is not None:
+            (rank, stream), text = held
+            try:
+                self.sink(rank, ("stdout", "stderr")[stream], text)
+            except Exception:
+                pass  # a broken view must not stop the relay (ranks would block)
+
+    def due(self) -> list[float]:
+        return [self._last.get(fd, 0.0) + VIEW_INTERVAL for fd in self._held]
+
+    def give_due(self) -> None:
+        now = time.monotonic()
+        for fd in [fd for fd in self._held if now >= self._last.get(fd, 0.0) + VIEW_INTERVAL]:
+            self.give(fd)
+
+    def give_all(self) -> None:
+        for fd in list(self._held):
+            self.give(fd)
 
 
 def notebook_display(stream: TextIO):
@@ -67,10 +119,11 @@ class LineTracker:
             if text and self.rank_line_open:
                 self._stream.write("\n")  # the caller's text starts on a line of its own
                 self.rank_line_open = False
+            written = len(text)
             if self._display is not None and (self._bar is not None or redraws(text)):
                 text = self._draw_bar(text)  # what follows the bar's newline, if any
                 if not text:
-                    return 0
+                    return written
             n = self._stream.write(text)
             if text:
                 self.mid_line = not text.endswith(("\n", "\r"))
@@ -109,14 +162,8 @@ class LineTracker:
         bar = self._bar
         if bar is None or bar.text == bar.shown or self._display is None:
             return
-        try:
-            if bar.handle is None:
-                if bar.text:
-                    bar.handle = self._display({"text/plain": bar.text}, raw=True, display_id=True)
-            else:
-                bar.handle.update({"text/plain": bar.text}, raw=True)
-        except Exception:
-            pass
+        if bar.handle is not None or bar.text:
+            bar.draw(self._display, {"text/plain": bar.text}, lambda: None)
         bar.shown, bar.last_shown = bar.text, time.monotonic()
 
     def _flush_stream(self) -> None:
