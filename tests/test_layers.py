@@ -52,13 +52,17 @@ LAYERS: dict[str, int] = {
     "rank_mpl_backend": 0,
     "rank_stdin": 0,  # a rank's stdin, asked of the notebook's user
     "waits": 0,  # what a rank waits on in torch.distributed (its recorder, its stack)
-    # 1: what a call is made of: its payload, its relayed output; what the template preloads
+    "protocol": 0,  # the frames a caller and its ranks exchange (kinds, request ids)
+    # 1: what a call is made of: its payload, its relayed output; what the template preloads;
+    #    a rank's control thread and a Session rank's process group
     "payload": 1,
     "relay": 1,
     "prompts": 1,  # the caller's side of a rank's stdin: the frontend's input prompts
     "preload": 1,
-    # 2, 3: a rank's process: a Session's rank serves requests (session_rank), a rank of any
-    #    kind starts in rank.main, which hands a Session's rank over to session_rank.serve
+    "rank_control": 1,
+    "rank_group": 1,
+    # 2, 3: a rank's process: a Session's rank serves its requests (session_rank) in the one
+    #    loop of every rank, rank.serve, which runs a ranch rank's one CALL too
     "session_rank": 2,
     "rank": 3,
     # 4: the warm process ranks are forked from (it runs rank.main in each fork)
@@ -71,22 +75,29 @@ LAYERS: dict[str, int] = {
     "ray_ranks.handle": 5,
     "ray_ranks.client": 5,
     "ray_ranks.placer": 5,
-    # 6: the calls: ranch() (launcher) and Session (session); one engine below both, later
-    "launcher": 6,
-    "session": 6,
-    # 7: what is built on them: in_torchddp, @distributed, import_star
-    "ddp": 7,
-    "decorator": 7,
-    "imports": 7,
-    # 8: the magics
-    "magics": 8,
-    "magics.cells": 8,
-    "magics.auto": 8,
-    "magics.onrank": 8,
-    "magics.ranch": 8,
-    "magics.session": 8,
-    # 9: the package's front door (re-exports, %load_ext, the "ray" placement's provider)
-    PACKAGE: 9,
+    # 6: the engine: a set of live ranks (start, frames, output, deaths, stdin, stop); the
+    #    caller's own rank where it plays one
+    "engine": 6,
+    "own_rank": 6,
+    # 7: its two uses: ranch() (launcher) and Session (its rooms, from the bottom up)
+    "launcher": 7,
+    "session_ranks": 7,
+    "session_recovery": 7,
+    "session_calls": 7,
+    "session": 7,
+    # 8: what is built on them: in_torchddp, @distributed, import_star
+    "ddp": 8,
+    "decorator": 8,
+    "imports": 8,
+    # 9: the magics
+    "magics": 9,
+    "magics.cells": 9,
+    "magics.auto": 9,
+    "magics.onrank": 9,
+    "magics.ranch": 9,
+    "magics.session": 9,
+    # 10: the package's front door (re-exports, %load_ext, the "ray" placement's provider)
+    PACKAGE: 10,
 }
 
 
