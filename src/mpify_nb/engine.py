@@ -90,6 +90,12 @@ def add_capability(install: Callable[[Engine], None]) -> None:
         _capabilities.append(install)
 
 
+def remove_capability(install: Callable[[Engine], None]) -> None:
+    """Engines made from now on go without it."""
+    if install in _capabilities:
+        _capabilities.remove(install)
+
+
 class Engine:
     """Live ranks and their one event loop. ``pump_output``: relay the ranks' stdout/stderr
     in :meth:`pump` (a Session: written on the call's thread), else on the relay's own

@@ -258,7 +258,7 @@ class _Call:
         placer = placement.get_placer()
         try:
             layout = placer.reserve(self.nprocs, self.caller_rank, self._time_left())
-            env = self._world_env(layout)
+            env = _world_env(layout, self.nprocs, self.caller_rank)
             self._start_ranks(placer, layout, packed, env)
             relay.start()
             self._watch(until=lambda: all(r.ready or r.done for r in self.ranks.values()))
@@ -299,14 +299,7 @@ class _Call:
                 self.engine.close()
             state.restore()
             state.disarm_ended_ddp(values)
-            self._learn_imports()
-
-    def _world_env(self, layout: placement.Layout) -> dict:
-        """The variables every rank gets alike; layout.env_of(rank) adds each one's own."""
-        store_rank = next((r for r in range(self.nprocs) if r != self.caller_rank), 0)
-        # The rendezvous store lives in a spawned rank: killing the ranks then
-        # frees a caller blocked in the rendezvous (see ddp.py).
-        return dict(layout.world_env(self.nprocs), MPIFY_NB_STORE_RANK=str(store_rank))
+            _learn_imports(bool(self.ranks), self.imported)
 
     # -- starting ranks ------------------------------------------------------------------
 
@@ -486,16 +479,6 @@ class _Call:
 
     # -- ending --------------------------------------------------------------------------
 
-    def _learn_imports(self) -> None:
-        """Let the template come to hold what the ranks imported (in the background; see preload.py)."""
-        if not self.ranks or placement.get_start_method() != "template":
-            return
-        try:
-            cwd = os.getcwd()
-        except OSError:
-            return
-        template.in_background(_learn, self.imported, cwd)
-
     def _raise_failure(self) -> None:
         if self.interrupted:
             raise KeyboardInterrupt
@@ -513,6 +496,25 @@ class _Call:
                 remaining = max(0.0, deadline - time.monotonic())
                 if handle.process.exit_code(remaining) is None:
                     handle.process.kill()
+
+
+def _world_env(layout: placement.Layout, nprocs: int, caller_rank: Optional[int]) -> dict:
+    """The variables every rank gets alike; layout.env_of(rank) adds each one's own."""
+    store_rank = next((r for r in range(nprocs) if r != caller_rank), 0)
+    # The rendezvous store lives in a spawned rank: killing the ranks then
+    # frees a caller blocked in the rendezvous (see ddp.py).
+    return dict(layout.world_env(nprocs), MPIFY_NB_STORE_RANK=str(store_rank))
+
+
+def _learn_imports(started: bool, imported: list) -> None:
+    """Let the template come to hold what the ranks imported (in the background; see preload.py)."""
+    if not started or placement.get_start_method() != "template":
+        return
+    try:
+        cwd = os.getcwd()
+    except OSError:
+        return
+    template.in_background(_learn, imported, cwd)
 
 
 def _learn(imported: list, cwd: str) -> None:

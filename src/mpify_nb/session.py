@@ -5,8 +5,9 @@
 group among them, and then runs code in their namespaces, call after call, until
 ``close()``. It is the engine's long-lived use (engine.py), ranch's the short-lived one:
 ranks are forked from the warm template (placement.py, template.py), talk over socketpairs
-made before they exist (wire.py, protocol.py), data travels with payload.py (dill functions, shared-memory tensors and arrays), output
-goes through relay.py and errors come back as errors.py's ``RankError``\\ s.
+made before they exist (wire.py, protocol.py), data travels with payload.py (dill functions,
+shared-memory tensors and arrays), output goes through relay.py and errors come back as
+errors.py's ``RankError``\\ s.
 
 Data flow of one ``run()``::
 
