@@ -56,6 +56,7 @@ LAYERS: dict[str, int] = {
     # 1: what a call is made of: its payload, its relayed output; what the template preloads;
     #    a rank's control thread and a Session rank's process group
     "payload": 1,
+    "shm": 1,  # the shared memory big tensors and arrays travel in (memfds)
     "relay": 1,
     "prompts": 1,  # the caller's side of a rank's stdin: the frontend's input prompts
     "preload": 1,
@@ -66,6 +67,7 @@ LAYERS: dict[str, int] = {
     "session_rank": 2,
     "rank": 3,
     # 4: the warm process ranks are forked from (it runs rank.main in each fork)
+    "template_process": 4,
     "template": 4,
     # 5: where a rank starts: the seam, and the Ray placement that registers itself with it
     "placement": 5,

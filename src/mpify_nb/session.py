@@ -275,7 +275,7 @@ class Session(SessionCalls):
             if self._current == NO_REQUEST:
                 return
             self._interrupt_asked = True
-        self._wake()
+        self._engine.wake()
 
     def restart(self, ranks: Ranks = None) -> None:
         """Replace ``ranks`` (default: the dead ones) with fresh ranks forked from the template,
@@ -323,7 +323,7 @@ class Session(SessionCalls):
             # Killed before taking the lock: a call running in another thread then ends at once.
             for m in list(self._members.values()):
                 m.process.kill()
-            self._wake()
+            self._engine.wake()
             with self._call_lock:
                 for m in list(self._members.values()):
                     self._bury(m)

@@ -136,7 +136,7 @@ class SessionCalls(SessionRecovery):
                         wait = left if wait is None else min(wait, left)
                     else:
                         stuck_since = None
-                self._pump(wait)
+                self._engine.pump(wait)
         except KeyboardInterrupt:
             self._stop(members, req)
             raise

@@ -19,17 +19,7 @@ from typing import Any, Callable, Optional
 from . import engine, interrupts, payload, placement, wire
 from .errors import RankError, RankExitedError, RemoteFailure, merge_rank_errors
 from .groups import listen_on
-from .protocol import (
-    ABORTED,
-    COLLECTIVE,
-    DISPLAY,
-    DONE,
-    FAIL,
-    GROUP,
-    ISSUED,
-    NO_REQUEST,
-    READY,
-)
+from .protocol import ABORTED, COLLECTIVE, DISPLAY, DONE, FAIL, GROUP, ISSUED, NO_REQUEST, READY
 from .relay import OutputRelay
 from .waits import Wait
 
@@ -110,7 +100,7 @@ class SessionRanks:
         # No rank may still be cutting connections to its peers when the new group's are made.
         deadline = time.monotonic() + 5.0
         while any(m.alive and m.aborts > 0 for m in self._members.values()) and time.monotonic() < deadline:
-            self._pump(0.05)
+            self._engine.pump(0.05)
         self._raise_if_others_dead(ranks)
         live_old = [m for m in self._members.values() if m.alive and m.rank not in ranks]
         host = min([m.rank for m in live_old] + ranks)  # the rank that hosts the store
@@ -179,7 +169,7 @@ class SessionRanks:
                 if all(m.state == "idle" for m in new) and all(m.req == NO_REQUEST for m in old):
                     self._group_broken = False
                     return
-                self._pump(None)
+                self._engine.pump(None)
         finally:
             self._engine.relay.end_call([fd for m in new + old for fd in m.out_fds])
         # Some rank could not start or join: nothing half-built stays behind.
@@ -222,10 +212,6 @@ class SessionRanks:
 
 
     # -- what the ranks send -----------------------------------------------------------
-
-    def _pump(self, wait: Optional[float]) -> None:
-        """Handle what the ranks sent (answers, output, deaths) within ``wait`` seconds."""
-        self._engine.pump(wait)
 
     def _on_ready(self, m: Member, req: int, body: Any, fds: list) -> None:
         info = pickle.loads(body)
@@ -293,16 +279,10 @@ class SessionRanks:
         for m in self._engine.ended([m for m in self._members.values() if m.alive]):
             self._on_death(m)
 
-    def _send_control(self, m: Member, kind: bytes, req: int, body: bytes = b"") -> None:
-        self._engine.send_control(m, kind, req, body)
-
-    def _wake(self) -> None:
-        self._engine.wake()
-
     def _on_sigint(self) -> None:
         # A signal handler: no lock (the main thread may hold it), a flag and a byte.
         self._interrupt_asked = True
-        self._wake()
+        self._engine.wake()
         interrupts.interrupt_other_threads()  # one press stops every call, ranch's included
 
     def interrupt_from_signal(self) -> None:
@@ -310,7 +290,7 @@ class SessionRanks:
         (interrupts.py calls this from the main thread's SIGINT handler)."""
         if self._current != NO_REQUEST:
             self._interrupt_asked = True
-            self._wake()
+            self._engine.wake()
 
 
 def failure_of(m: Member, body: Any = None, fds: Optional[list[int]] = None) -> RankError:

@@ -36,7 +36,7 @@ class SessionRecovery(SessionRanks):
         for m in self._members.values():
             if m.alive and m.req == req and m.watched != req:
                 m.watched = req
-                self._send_control(m, WATCH, req)
+                self._engine.send_control(m, WATCH, req)
 
     def _stuck(self, req: int) -> tuple[list[Member], list[Member]]:
         """Ranks waiting in a collective for this call, and the ranks of its group that will
@@ -59,7 +59,7 @@ class SessionRecovery(SessionRanks):
                     for a in peers:
                         if a.alive and a.issued_req != req:
                             a.issued_req, a.issued = req, None
-                            self._send_control(a, PEEK, req)
+                            self._engine.send_control(a, PEEK, req)
                     if any(a.alive and a.issued is None for a in peers):
                         continue  # not known yet whether they joined it
                     peers = [a for a in peers if not a.alive or (a.issued or {}).get(wait.group, 0) < wait.seq]
@@ -105,7 +105,7 @@ class SessionRecovery(SessionRanks):
         self._engine.close_prompts()  # a rank at a prompt reads KeyboardInterrupt, then end of file
         for m in members:
             if m.alive and m.req == req:
-                self._send_control(m, INTERRUPT, req)
+                self._engine.send_control(m, INTERRUPT, req)
         aborted = False
         start = time.monotonic()
         last_signal = start
@@ -126,9 +126,9 @@ class SessionRecovery(SessionRanks):
                     aborted = True
                 if now - last_signal > 1.0:  # the user's code may have swallowed one
                     for m in running:
-                        self._send_control(m, INTERRUPT, req)
+                        self._engine.send_control(m, INTERRUPT, req)
                     last_signal = now
-                self._pump(0.05)
+                self._engine.pump(0.05)
             except KeyboardInterrupt:
                 continue
         for m in members:
@@ -143,7 +143,7 @@ class SessionRecovery(SessionRanks):
         if their code carries on."""
         start = time.monotonic()
         while any(m.alive and m.req == req for m in members) and time.monotonic() - start < 2.0:
-            self._pump(0.05)
+            self._engine.pump(0.05)
         if any(m.alive and m.req == req for m in members):
             self._stop(members, req)
         for m in members:
@@ -159,7 +159,7 @@ class SessionRecovery(SessionRanks):
         for m in live:
             peers = pickle.dumps([(p.pid, self._layout.nodes[p.rank]) for p in live if p is not m])
             m.aborts += 1
-            self._send_control(m, ABORT_GROUP, NO_REQUEST, peers)
+            self._engine.send_control(m, ABORT_GROUP, NO_REQUEST, peers)
 
     def _rebuild(self) -> bool:
         """A new group on a new port, in place, on every rank (all must be alive and idle)."""
