@@ -95,9 +95,9 @@ def main() -> int:
                 for key, xs in run_child(which, trees[side], args.reps).items():
                     samples[side].setdefault(key, []).extend(xs)
 
-    def figure(side: str, key: str, minus: str = "") -> float:
+    def figure(side: str, key: str, minus: str = "", of=median) -> float:
         d = samples[side]
-        return median(d[key]) - (median(d[minus]) if minus else 0.0)
+        return of(d[key]) - (of(d[minus]) if minus else 0.0)
 
     rows = [
         ("warm ranch(2), all_reduce in in_torchddp()", "ranch", ""),
@@ -109,13 +109,17 @@ def main() -> int:
         ("Session: interrupt to the next usable cell", "interrupt", ""),
     ]
     print()
-    print(f"{'figure':46s}  {'before':>10s}  {'after':>10s}")
-    print(f"{'-' * 46}  {'-' * 10}  {'-' * 10}")
+    print(f"{'figure (median; min)':46s}  {'before':>20s}  {'after':>20s}")
+    print(f"{'-' * 46}  {'-' * 20}  {'-' * 20}")
     for name, key, minus in rows:
-        print(f"{name:46s}  {fmt_s(figure('before', key, minus)):>10s}  {fmt_s(figure('after', key, minus)):>10s}")
+        cells = [f"{fmt_s(figure(side, key, minus))}; {fmt_s(figure(side, key, minus, min))}" for side in trees]
+        print(f"{name:46s}  {cells[0]:>20s}  {cells[1]:>20s}")
     for side in trees:
         ratio = figure(side, "ranch") / figure(side, "floor")
-        print(f"{side}: warm ranch / fork floor = {ratio:.2f}x")
+        print(f"{side}: warm ranch / fork floor = {ratio:.2f}x (medians), "
+              f"{figure(side, 'ranch', of=min) / figure(side, 'floor', of=min):.2f}x (minima)")
+    for side in trees:
+        print(f"{side} samples: " + ", ".join(f"{k} n={len(v)}" for k, v in samples[side].items()))
     return 0
 
 

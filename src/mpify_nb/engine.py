@@ -1,32 +1,41 @@
 """The engine: a set of live rank processes, started through a placer and watched in one loop.
 
-``ranch`` (launcher.py) and ``Session`` (session.py) are two uses of one engine. A ranch
-call starts its ranks, sends each one request (CALL) and lets them exit; a Session starts
-them once and sends them many requests. What a rank is, how it talks and dies, is the
-engine's; what a failure means (ranch: the first one wins, every rank is killed; a Session:
-stop, settle, abort the group, rebuild) is each use's own, in the handlers it registers::
+``ranch`` and ``Session`` are its two uses. What a rank is, how it talks, prints, reads stdin
+and dies is the engine's; what a failure means is each use's own, in the frame handlers it
+registers (:meth:`Engine.on`) and in its ``on_death``/``on_wake``::
 
-    use (ranch / Session)              Engine                                   rank r
-    ---------------------              ------                                   ------
-    spawn(placer, r) ───────────────> socketpair(s), stdout/stderr pipes,
-                                       placer.start(r) ────────────────────────> born (template fork,
-                                                                                 spawn, Ray node)
-    send(m, kind, req, body) ───────> channel ─────────────────────────────────> rank.serve: one
-                                                                                 request at a time
-    send_control(m, kind, req) ─────> control channel (a ranch rank: its channel)> control thread
-                                                                                 (rank_control.py)
-    pump(wait): one select over
-      channel, control   <──────────  frames: handlers[kind](m, req, body, fds) <── READY DONE FAIL ...
-      stdout/stderr      <──────────  relay.pump (or the relay's own thread: ranch) <── print(...)
-      pidfd              <──────────  on_death(m) <─────────────────────────────── dies
-      wake pipe          <──────────  prompt answers -> ANSWER; on_wake(bytes): SIGINT, interrupt()
-    ASK (a rank reads stdin) ───────> prompts.Prompter asks the user; time spent there is
-                                       not the call's (time_left)
-    bury(m) ────────────────────────> kill, wait for it, its leftovers; close its fds
+    ranch (launcher.py)                         Session (session.py, session_*.py)
+    one request; the ranks exit after it        many requests; the ranks stay
+      spawn(r) for each rank but the caller's     spawn(r, control=True) for every rank
+      setup + CALL, right after each fork         setup (+ its control end, the store socket)
+      every READY, then GO                        every READY (its group is up)
+      pump() on a watch thread while the          per call: RUN / APPLY / PUSH / PULL ...,
+        caller plays its own rank (own_rank.py)     pump() on the call's thread
+      DONE / FAIL: the first failure wins,        DONE / FAIL per request; stuck: stop, abort
+        kill every rank                             the group, rebuild (session_recovery.py)
+      bury every rank                             bury on restart() and close()
+            |                                           |
+            v                                           v
+    +----------------------------------- Engine ------------------------------------+
+    | members {rank: Member}     handlers {kind: handler(member, req, body, fds)}   |
+    |                                                                                |
+    | spawn ── socketpair(s), stdout/stderr pipes, placer.start(r) ──────────────────+──> rank r, born:
+    | send(m, kind, req) ── channel ─────────────────────────────────────────────────+──> rank.serve, one
+    |                                                                                |    request at a time
+    | send_control(m, kind, req) ── control channel (a ranch rank: its channel) ─────+──> its control thread
+    |                                                                                |    (rank_control.py)
+    | pump(wait): one select over                                                    |
+    |   channel, control  -> handlers[kind]   <── READY DONE FAIL ASK IMPORTED ... ──+─── rank r
+    |   stdout/stderr     -> relay.pump       <── print(...) (ranch: the relay's own thread)
+    |   pidfd             -> on_death(m)      <── it died (signal, segfault, OOM, its node)
+    |   wake pipe         -> prompt answers (ANSWER to the rank); on_wake(bytes): SIGINT
+    | ASK: prompts.Prompter asks the user; time_left() does not count that wait      |
+    | bury(m): kill, wait, end what it left; close its fds                           |
+    +--------------------------------------------------------------------------------+
 
-A capability (say, widgets' comms) adds frame kinds (protocol.claim) and registers a
-handler for each here (:meth:`Engine.on`) and, rank-side, in rank_control.on: it is then
-written once for every rank, ranch's and a Session's.
+A capability (widgets' comms, say) claims frame kinds (protocol.claim), registers its handlers
+on every engine (add_capability) and on every rank's control thread (rank_control.on), and
+sends from a rank with rank_control.to_caller: written once, for every rank of both uses.
 """
 
 from __future__ import annotations
