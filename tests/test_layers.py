@@ -53,18 +53,24 @@ LAYERS: dict[str, int] = {
     "rank_stdin": 0,  # a rank's stdin, asked of the notebook's user
     "rank_comms": 0,  # a rank's widget comms, sent to the caller
     "waits": 0,  # what a rank waits on in torch.distributed (its recorder, its stack)
-    # 1: what a call is made of: its payload, its relayed output; what the template preloads
+    "protocol": 0,  # the frames a caller and its ranks exchange (kinds, request ids)
+    # 1: what a call is made of: its payload, its relayed output; what the template preloads;
+    #    a rank's control thread and a Session rank's process group
     "payload": 1,
+    "shm": 1,  # the shared memory big tensors and arrays travel in (memfds)
     "relay": 1,
     "comms": 1,  # the caller's side of the ranks' widget comms: twins in the kernel
     "relay_lines": 1,  # the relay's lines: cut, live display lines, the caller's streams
     "prompts": 1,  # the caller's side of a rank's stdin: the frontend's input prompts
     "preload": 1,
-    # 2, 3: a rank's process: a Session's rank serves requests (session_rank), a rank of any
-    #    kind starts in rank.main, which hands a Session's rank over to session_rank.serve
+    "rank_control": 1,
+    "rank_group": 1,
+    # 2, 3: a rank's process: a Session's rank serves its requests (session_rank) in the one
+    #    loop of every rank, rank.serve, which runs a ranch rank's one CALL too
     "session_rank": 2,
     "rank": 3,
     # 4: the warm process ranks are forked from (it runs rank.main in each fork)
+    "template_process": 4,
     "template": 4,
     # 5: where a rank starts: the seam, and the Ray placement that registers itself with it
     "placement": 5,
@@ -74,26 +80,33 @@ LAYERS: dict[str, int] = {
     "ray_ranks.handle": 5,
     "ray_ranks.client": 5,
     "ray_ranks.placer": 5,
-    # 6: the calls: ranch() (launcher) and Session (session); one engine below both, later
-    "launcher": 6,
-    "session": 6,
-    # 7: what is built on them: in_torchddp, @distributed, import_star
-    "ddp": 7,
-    "decorator": 7,
-    "imports": 7,
-    # 8: the magics
-    "magics": 8,
-    "magics.cells": 8,
-    "magics.auto": 8,
-    "magics.onrank": 8,
-    "magics.ranch": 8,
-    "magics.session": 8,
-    "magics.router": 8,  # where a cell goes (automatic mode), which ranks %%rank names
-    "magics.status": 8,  # %dist_status's table
-    "magics.views": 8,  # lines or tabs: how a persistent cell shows its ranks' output
-    "magics.rank_cells": 8,  # a rank cell's pieces run in order, through the cell's view
-    # 9: the package's front door (re-exports, %load_ext, the "ray" placement's provider)
-    PACKAGE: 9,
+    # 6: the engine: a set of live ranks (start, frames, output, deaths, stdin, stop); the
+    #    caller's own rank where it plays one
+    "engine": 6,
+    "own_rank": 6,
+    # 7: its two uses: ranch() (launcher) and Session (its rooms, from the bottom up)
+    "launcher": 7,
+    "session_ranks": 7,
+    "session_recovery": 7,
+    "session_calls": 7,
+    "session": 7,
+    # 8: what is built on them: in_torchddp, @distributed, import_star
+    "ddp": 8,
+    "decorator": 8,
+    "imports": 8,
+    # 9: the magics
+    "magics": 9,
+    "magics.cells": 9,
+    "magics.auto": 9,
+    "magics.onrank": 9,
+    "magics.ranch": 9,
+    "magics.session": 9,
+    "magics.router": 9,  # where a cell goes (automatic mode), which ranks %%rank names
+    "magics.status": 9,  # %dist_status's table
+    "magics.views": 9,  # lines or tabs: how a persistent cell shows its ranks' output
+    "magics.rank_cells": 9,  # a rank cell's pieces run in order, through the cell's view
+    # 10: the package's front door (re-exports, %load_ext, the "ray" placement's provider)
+    PACKAGE: 10,
 }
 
 

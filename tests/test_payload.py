@@ -172,7 +172,7 @@ def test_small_view_of_a_big_tensor_ships_only_its_bytes():
 @pytest.fixture
 def four_copy_threads(monkeypatch):
     """Big tensors copied in 4 pieces (by 4 threads), however many cores this machine has."""
-    monkeypatch.setattr(mpify_nb.payload, "_copy_threads", lambda: 4)
+    monkeypatch.setattr(mpify_nb.shm, "copy_threads", lambda: 4)
 
 
 def test_a_big_tensor_in_pieces_is_one_tensor_again(four_copy_threads):

@@ -563,7 +563,7 @@ def test_a_value_that_never_finishes_pickling_is_interrupted_like_user_code(sess
 
 
 def test_a_timeout_says_which_ranks_did_not_stop():
-    from mpify_nb.session import _timed_out
+    from mpify_nb.session_calls import _timed_out
 
     assert _timed_out(3, [0, 1], []).endswith("they were interrupted, their state is kept")
     assert "ranks [1] did not stop" in _timed_out(3, [0, 1], [1]) and "restart([1])" in _timed_out(3, [0, 1], [1])

@@ -103,7 +103,8 @@ class WidgetFrontend(Frontend):
         """(rank of the label before it, model id) of each widget view the request displayed."""
         found, rank = [], None
         for m in seen.messages:
-            if m["msg_type"] != "display_data":
+            # lines view puts a cell's rich outputs in rank order: into places it updates
+            if m["msg_type"] not in ("display_data", "update_display_data"):
                 continue
             data = m["content"]["data"]
             view = data.get("application/vnd.jupyter.widget-view+json")

@@ -10,16 +10,23 @@ never round: tests/test_layers.py):
 ================  ===============================================================
 magics/           %%ranch, the session magics (``%load_ext mpify_nb``)
 ddp.py            in_torchddp / TorchDDPCtx
-launcher.py       ranch(): the call from start to teardown, the watch over ranks
-session.py        Session: persistent ranks across calls
+launcher.py       ranch(): one request to short-lived ranks; the first failure wins
+session.py        Session: persistent ranks across calls (its rooms: session_calls.py,
+                  session_recovery.py, session_ranks.py)
+engine.py         the engine under both: a set of live ranks and their one event loop
+own_rank.py       the caller's own rank in a ranch call, and what it changes here
 placement.py      where a rank starts (the seam): template fork, fresh spawn, or a placement
                   registered with it (ray_ranks/ registers "ray"; this module tells placement
                   how to import it when first asked)
-template.py       the warm process ranks are forked from; set_preload
-rank.py           what a rank does from birth to exit
-session_rank.py   the serve loop of a Session's rank
+template.py       the warm process ranks are forked from; set_preload (the process itself:
+                  template_process.py)
+rank.py           what a rank does from birth to exit: every rank's one request loop
+protocol.py       the frames between a caller and its ranks
+rank_control.py   a rank's control thread (stdin, interrupts, the caller's death)
+session_rank.py   a Session rank's requests; rank_group.py its process group
 preload.py        what the template comes to hold: the modules ranks need
 payload.py        packing the call and the results (dill, shared-memory tensors)
+shm.py            the shared memory they travel in (memfds)
 relay.py          where ranks' output is relayed into the cell
 groups.py         torch.distributed groups: GPU ids, the store's socket, the group count
 process.py        what each of our processes does for itself: name, orphans, exit

@@ -18,8 +18,8 @@ while a cell runs), so we also chain in front of that one: the stop button then
 stops a background call while the notebook is idle, and a cell's own
 KeyboardInterrupt is unchanged.
 
-A call running on the main thread takes SIGINT itself while it runs (launcher's
-``_take_sigint``) and calls ``interrupt_other_threads()`` from there, so one
+A call running on the main thread takes SIGINT itself while it runs (own_rank's
+``_take_sigint``, engine's ``take_sigint``) and calls ``interrupt_other_threads()`` from there, so one
 press stops every call.
 """
 

@@ -10,10 +10,10 @@ call's relay stream. And the kernel looks interactive to Lightning, which then r
 
 ::
 
-    _CallerState.snapshot()  ->  LibraryState.snapshot()    threads, loggers, warnings,
+    CallerState.snapshot()   ->  LibraryState.snapshot()    threads, loggers, warnings,
                                                             known library singletons
     _run_own_rank            ->  with launched_externally():  Lightning sees a torchrun rank
-    _CallerState.restore()   ->  LibraryState.restore()     all of the above as before
+    CallerState.restore()    ->  LibraryState.restore()     all of the above as before
 
 The singletons are a small registry (:data:`SINGLETONS`): a library is only looked at when
 it is already in ``sys.modules``, never imported here. Its state is copied before the call

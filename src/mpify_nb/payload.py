@@ -23,30 +23,22 @@ another process can run, and back.
 from __future__ import annotations
 
 import builtins
-import ctypes
 import io
 import linecache
 import os
 import sys
 import threading
 import types
-import weakref
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
 import dill
 
+from . import shm
 from .errors import PayloadError, safe_str
+from .shm import close_fds
 
 SHARED_TENSOR_MIN_BYTES = 1 << 20
-#: A shared tensor at least this big is copied by several threads at once, into one memfd
-#: per thread (writes into one memfd take its inode lock, so they would not overlap); the
-#: ranks map the pieces back to back, as one tensor.
-PARALLEL_COPY_MIN_BYTES = 16 << 20
-#: At most this many threads (and memfds) for one tensor; 1 turns parallel copies off.
-COPY_THREADS = 4
-#: Pieces are multiples of this (a page multiple everywhere, a huge page on x86).
-_PIECE_ALIGN = 2 << 20
 #: Extra memfds one payload may spend on pieces (every rank receives them all at once).
 _PIECE_BUDGET = 64
 
@@ -120,7 +112,7 @@ class _Pickler(dill.Pickler):
         is_param = isinstance(t, torch.nn.Parameter)
         index = self._storages.get(address) if address else None
         if index is None and view_bytes >= SHARED_TENSOR_MIN_BYTES and 2 * view_bytes >= storage_bytes:
-            index = self._add_fds(self._memfds_of(_address_view(address, storage_bytes)))
+            index = self._add_fds(self._memfds_of(shm.address_view(address, storage_bytes)))
             self._storages[address] = index
         if index is not None:
             offset_bytes = t.storage_offset() * t.element_size()
@@ -129,7 +121,7 @@ class _Pickler(dill.Pickler):
         if view_bytes < SHARED_TENSOR_MIN_BYTES:
             return None
         compact = t.detach().contiguous()
-        fds = self._memfds_of(_address_view(compact.data_ptr(), view_bytes))
+        fds = self._memfds_of(shm.address_view(compact.data_ptr(), view_bytes))
         return (_TENSOR_TAG, len(self._objects), self._add_fds(fds), t.dtype, tuple(t.shape),
                 tuple(compact.stride()), 0, t.requires_grad, is_param)
 
@@ -142,7 +134,7 @@ class _Pickler(dill.Pickler):
                 a.shape, fortran)
 
     def _memfds_of(self, view: memoryview) -> list[int]:
-        fds = _memfds_of(view, max_pieces=1 + self._piece_budget)
+        fds = shm.memfds_of(view, max_pieces=1 + self._piece_budget)
         self._piece_budget -= len(fds) - 1
         return fds
 
@@ -214,12 +206,12 @@ class _Unpickler(dill.Unpickler):
         if index not in self._mappings:
             indices = index if isinstance(index, tuple) else (index,)
             if indices[0] in self._windows:
-                self._mappings[index] = _map_windows(
+                self._mappings[index] = shm.map_windows(
                     [(self._fds[i], *self._windows[i]) for i in indices], self._private)
             elif isinstance(index, tuple):
-                self._mappings[index] = _map_pieces([self._fds[i] for i in index], self._private)
+                self._mappings[index] = shm.map_pieces([self._fds[i] for i in index], self._private)
             else:
-                self._mappings[index] = _map_memfd(self._fds[index], self._private)
+                self._mappings[index] = shm.map_memfd(self._fds[index], self._private)
         mapping = self._mappings[index]
         if as_array and not isinstance(mapping, _np_ndarray()):
             return mapping.numpy()
@@ -250,224 +242,6 @@ def _shareable_array(a) -> bool:
     return not a.dtype.hasobject and a.nbytes >= SHARED_TENSOR_MIN_BYTES
 
 
-def _address_view(address: int, nbytes: int) -> memoryview:
-    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
-
-
-def _memfd_of(view: memoryview) -> int:
-    """Copy ``view`` into a new memfd: the one copy a shared tensor or array costs.
-
-    write(2) rather than a copy into a mapping: the kernel allocates each shmem page
-    and fills it in one pass, where a mapping would take a page fault per 4 KiB
-    (about 1.4x slower here)."""
-    try:
-        return _write_memfd(view)
-    finally:
-        view.release()
-
-
-def _write_memfd(view: memoryview) -> int:
-    fd = os.memfd_create("mpify_nb-tensor", os.MFD_CLOEXEC)
-    try:
-        done = 0
-        while done < len(view):
-            done += os.write(fd, view[done:])
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _copy_threads() -> int:
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return max(1, min(COPY_THREADS, cpus))
-
-
-def _memfds_of(view: memoryview, max_pieces: int = COPY_THREADS) -> list[int]:
-    """Copy ``view`` into one memfd, or, when it is big and cores are free, into a few
-    memfds written by as many threads at once (for 64 MiB on 2 cores: ~30 ms instead of
-    ~40 ms; most of the time is the kernel allocating the shmem pages, which one memfd
-    does under its inode lock). Every piece but the last is a multiple of ``_PIECE_ALIGN``."""
-    n = len(view)
-    pieces = min(_copy_threads(), max_pieces, n // (PARALLEL_COPY_MIN_BYTES // 2)) \
-        if n >= PARALLEL_COPY_MIN_BYTES else 1
-    if pieces <= 1:
-        return [_memfd_of(view)]
-    step = -(-n // pieces // _PIECE_ALIGN) * _PIECE_ALIGN
-    bounds = [(start, min(start + step, n)) for start in range(0, n, step)]
-    fds: list[Optional[int]] = [None] * len(bounds)
-    errors: list[BaseException] = []
-
-    def write(i: int) -> None:
-        try:
-            start, end = bounds[i]
-            fds[i] = _write_memfd(view[start:end])
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=write, args=(i,), name="mpify_nb-copy", daemon=True)
-               for i in range(1, len(bounds))]
-    try:
-        for th in threads:
-            th.start()
-        write(0)
-    finally:
-        interrupted = None
-        for th in threads:
-            while th.is_alive():  # they read the caller's buffer: never leave before they are done
-                try:
-                    th.join()
-                except KeyboardInterrupt as e:
-                    interrupted = e
-        view.release()
-        done = [fd for fd in fds if fd is not None]
-        if errors or interrupted is not None or len(done) < len(bounds):
-            close_fds(done)
-    if interrupted is not None:
-        raise interrupted
-    if errors:
-        raise errors[0]
-    return done
-
-
-def _map_memfd(fd: int, private: bool):
-    """Map a whole memfd as a flat uint8 tensor (numpy array when torch is not loaded here)."""
-    size = os.fstat(fd).st_size
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        # torch maps the file itself and keeps no descriptor open (Python's mmap would keep
-        # one per mapping for its whole life). shared=False is MAP_PRIVATE.
-        if size == 0:
-            return torch.empty(0, dtype=torch.uint8)
-        return torch.from_file(f"/proc/self/fd/{fd}", shared=not private, size=size, dtype=torch.uint8)
-    import mmap
-
-    import numpy
-
-    if size == 0:
-        return numpy.empty(0, dtype=numpy.uint8)
-    flags = mmap.MAP_PRIVATE if private else mmap.MAP_SHARED
-    return numpy.frombuffer(mmap.mmap(fd, size, flags=flags), dtype=numpy.uint8)
-
-
-_PROT_NONE, _MAP_FIXED = 0, 0x10
-
-
-def _libc_mmap():
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_long]
-    libc.munmap.restype = ctypes.c_int
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    return libc
-
-
-_libc: Any = None
-
-
-def _munmap(address: int, size: int) -> None:
-    _libc.munmap(address, size)
-
-
-def _libc_loaded():
-    global _libc
-    if _libc is None:
-        _libc = _libc_mmap()
-    return _libc
-
-
-def _map_pieces(fds: list[int], private: bool):
-    """Map memfds back to back, as one flat uint8 tensor (numpy array without torch) that
-    unmaps them all when it goes. Like ``_map_memfd``, keeps no descriptor open."""
-    import mmap
-
-    libc = _libc_loaded()
-    sizes = [os.fstat(fd).st_size for fd in fds]
-    total = sum(sizes)
-    failed = ctypes.c_void_p(-1).value
-    # Reserve the whole range, then map each piece over its part of it.
-    base = libc.mmap(None, total, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
-    if base in (None, failed):
-        err = ctypes.get_errno()
-        raise OSError(err, f"cannot reserve {total} bytes for a shared tensor: {os.strerror(err)}")
-    flags = (mmap.MAP_PRIVATE if private else mmap.MAP_SHARED) | _MAP_FIXED
-    offset = 0
-    try:
-        for fd, size in zip(fds, sizes):
-            if size % mmap.PAGESIZE and offset + size != total:
-                raise ValueError("a piece of a shared tensor is not a whole number of pages")
-            got = libc.mmap(base + offset, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
-            if got != base + offset:
-                err = ctypes.get_errno()
-                raise OSError(err, f"cannot map a piece of a shared tensor: {os.strerror(err)}")
-            offset += size
-    except BaseException:
-        libc.munmap(base, total)
-        raise
-    return _flat_view(base, total, base, total)
-
-
-def _map_windows(windows: list[tuple[int, int, int]], private: bool):
-    """Map windows (fd, offset, length) of a file as one flat uint8 tensor (numpy array without
-    torch), like ``_map_pieces``: the pieces of one tensor lying back to back in a bigger file
-    (Ray's object store, see ray_ranks.worker.StoreFiles). Windows that are not back to back in one
-    file are copied into one buffer instead."""
-    import mmap
-
-    fd, start, _ = windows[0]
-    total = sum(length for _, _, length in windows)
-    if total == 0:
-        return _flat_view(0, 0, 0, 0)
-    here = os.fstat(fd)
-    for (_, start_a, length_a), (fd_b, start_b, _) in zip(windows, windows[1:]):
-        other = os.fstat(fd_b)
-        if start_b != start_a + length_a or (other.st_dev, other.st_ino) != (here.st_dev, here.st_ino):
-            return _copied([_map_windows([window], private) for window in windows])
-    libc = _libc_loaded()
-    aligned = start - start % mmap.PAGESIZE
-    length = start - aligned + total
-    prot = mmap.PROT_READ | (mmap.PROT_WRITE if private else 0)  # the file is open read-only
-    flags = mmap.MAP_PRIVATE if private else mmap.MAP_SHARED
-    base = libc.mmap(None, length, prot, flags, fd, aligned)
-    if base in (None, ctypes.c_void_p(-1).value):
-        err = ctypes.get_errno()
-        raise OSError(err, f"cannot map {total} bytes of a shared tensor: {os.strerror(err)}")
-    return _flat_view(base + start - aligned, total, base, length)
-
-
-def _copied(parts: list):
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        return torch.cat(parts)
-    import numpy
-
-    return numpy.concatenate(parts)
-
-
-def _flat_view(address: int, nbytes: int, base: int, length: int):
-    """``nbytes`` at ``address`` as a flat uint8 tensor (numpy array without torch) that unmaps
-    ``length`` bytes at ``base`` when the last tensor or array on it goes."""
-    torch = sys.modules.get("torch")
-    if nbytes == 0:
-        if torch is not None:
-            return torch.empty(0, dtype=torch.uint8)
-        import numpy
-
-        return numpy.empty(0, dtype=numpy.uint8)
-    buffer = (ctypes.c_uint8 * nbytes).from_address(address)
-    unmap = weakref.finalize(buffer, _munmap, base, length)
-    unmap.atexit = False  # at exit something may still read it
-    if torch is not None:
-        return torch.frombuffer(buffer, dtype=torch.uint8)  # holds ``buffer`` while it lives
-    import numpy
-
-    return numpy.frombuffer(memoryview(buffer), dtype=numpy.uint8)
-
-
 def _lookup_main(qualname: str) -> Any:
     obj: Any = sys.modules.get("__main__")
     for part in qualname.split("."):
@@ -494,19 +268,11 @@ def loads(data, fds: Sequence[int] = (), *, private: bool = False,
           windows: Optional[dict[int, tuple[int, int]]] = None) -> Any:
     """Unpickle what ``dumps`` made. Closes ``fds`` (mappings stay valid without them).
     ``windows``: fd index -> (offset, length), for an fd whose tensor is only that part of
-    its file (see ``_map_windows``)."""
+    its file (see ``shm.map_windows``)."""
     try:
         return _Unpickler(io.BytesIO(data), list(fds), private=private, windows=windows).load()
     finally:
         close_fds(fds)
-
-
-def close_fds(fds) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
 
 
 # -- the call -----------------------------------------------------------------------------

@@ -2,26 +2,30 @@
 
 A rank is born (spawned fresh, or forked from the template) holding one end of a
 socketpair to its caller, with its stdout/stderr already pointing at pipes the
-caller relays. Then::
+caller relays. Its first message is its setup (rank, env, cwd, sys.path). Then every rank
+serves requests in one loop (:func:`serve`, frames of protocol.py), one at a time on its
+main thread, while its control thread (rank_control.py) takes what the caller says meanwhile.
+A ``ranch`` rank gets one request, CALL, in the message right after its setup, and exits
+after it::
 
     caller                                   rank
       | -- setup (rank, env, cwd, sys.path) -->|  apply them, fresh __main__
-      | -- call (fn, args, ctx; memfds) ------>|  unpickle; run imports=
+      | -- CALL (fn, args, ctx; memfds) ------>|  unpickle; run imports=
       |                                        |  ctx._mpify_rank_setup() (e.g. open the TCPStore)
       |<------------------------------ READY --|
       | -- GO (once every rank is READY) ----->|  so no rank enters a rendezvous that a
       |                                        |  rank which failed to load would never join
+      |                                        |  control thread on the channel (stdin, caller death)
       |                                        |  with ctx: value = fn(*args, **kwargs)
-      |<--------------- VALUE (pickle; memfds) |  or
-      |<--------------- ERROR (RemoteFailure) -|
+      |<--------------- DONE (pickle; memfds) -|  or
+      |<--------- FAIL (RemoteFailure, ...) ---|
       |                                        |  flush, os._exit(0)
 
-A watchdog thread blocks on the channel: if the caller goes away (its end closes),
-the rank kills itself, so no rank outlives its caller.
-
-A rank of a Session (its setup says ``session``) goes on in ``session_rank.serve``
-instead. What every process of ours does for itself (its name, the orphans it adopts,
-leaving with nothing it started left behind) is in process.py.
+A Session's rank (its setup says ``session``) starts its group and gets the requests of
+session_rank.py instead, for as long as the caller keeps it. Either way, if the caller goes
+away (its end closes), the control thread kills the rank, so no rank outlives its caller.
+What every process of ours does for itself (its name, the orphans it adopts, leaving with
+nothing it started left behind) is in process.py.
 """
 
 from __future__ import annotations
@@ -30,23 +34,15 @@ import faulthandler
 import io
 import os
 import pickle
-import select
-import signal
 import socket
 import sys
-import threading
 import types
+from typing import Any, NoReturn
 
-from . import payload, process, rank_stdin, wire
+from . import payload, process, rank_control, session_rank, wire
 from .errors import RemoteFailure, safe_str
-
-READY = b"R"
-GO = b"G"
-VALUE = b"V"
-ERROR = b"E"
-IMPORTED = b"M"  # the modules this rank imported (sent before VALUE or ERROR; see preload.py)
-ASK = b"Q"  # the rank reads its stdin (rank_stdin.py): a token; the caller sends ANSWER (token, answer)
-ANSWER = b"N"
+from .protocol import CALL, DONE, FAIL, IMPORTED, NO_REQUEST, READY, pack, unpack
+from .rank_control import RankState
 
 #: The modules this rank was born with (the template's): what it imports beyond them is news.
 _born_with: set[str] = set()
@@ -77,14 +73,48 @@ def main(channel_fd: int, expected_parent: int) -> None:
         rank = config["rank"]
         process.set_process_name(f"mpify_nb-rank{rank}")
         _apply(config)
-        if config.get("session"):  # a persistent rank of a Session: serve requests until closed
-            from .session_rank import serve
+    except BaseException as e:
+        _send_failure(channel, NO_REQUEST, e, f"rank {rank} could not start")
+        process.end(0)
+    state = RankState()
+    rank_control.connect(channel, state)
+    requests: dict[bytes, rank_control.Request]
+    if config.get("session"):  # a persistent rank of a Session: serve requests until closed
+        requests = session_rank.start(channel, config, setup[1], state)
+    else:
+        windows = config.get("windows")  # of the call's memfds in a Ray node's object store file
+        requests = {CALL: lambda channel, state, req, body, fds: _one_call(channel, state, req, body, fds, windows)}
+    serve(channel, state, requests)
 
-            serve(channel, config, setup[1])
+
+def serve(channel: socket.socket, state: RankState, requests: dict[bytes, rank_control.Request]) -> NoReturn:
+    """Every rank's loop: run the caller's requests one at a time, answer each; never returns."""
+    while True:
         message = wire.recv(channel)
         if message is None:
-            os._exit(1)
-        fn, args, kwargs, ctx, needed, imports = payload.unpack_call(*message, windows=config.get("windows"))
+            process.end(0)  # the caller closed the session
+        data, fds = message
+        kind, req_id, body = unpack(data)
+        state.begin(req_id)
+        request = requests.get(kind)
+        if request is None:
+            payload.close_fds(fds)
+            reply, reply_fds = _failure(RuntimeError(f"unknown request {kind!r}"), req_id), []
+        else:
+            reply, reply_fds = request(channel, state, req_id, body, fds)
+        state.begin(NO_REQUEST)
+        process.flush_stdio()  # what the request printed reaches the caller before its answer
+        _flush_c_stdio()
+        rank_control.send(channel, reply, reply_fds)
+        payload.close_fds(reply_fds)
+        session_rank.free_replaced()
+
+
+def _one_call(channel: socket.socket, state: RankState, req: int, body: Any, fds: list, windows: Any) -> NoReturn:
+    """A ranch call: load it, READY, wait for GO, run it, answer, exit."""
+    rank = os.environ.get("RANK", "?")
+    try:
+        fn, args, kwargs, ctx, needed, imports = payload.unpack_call(body, fds, windows=windows)
         main_dict = sys.modules["__main__"].__dict__
         main_dict.update(needed)
         if imports:
@@ -95,14 +125,13 @@ def main(channel_fd: int, expected_parent: int) -> None:
         if setup_hook is not None:
             setup_hook()
     except BaseException as e:
-        _send_failure(channel, e, f"rank {rank} could not load the call")
+        _send_failure(channel, req, e, f"rank {rank} could not load the call")
         process.end(0)
-    wire.send(channel, READY)
+    wire.send(channel, pack(READY, req))
     if wire.recv(channel) is None:  # no GO: the caller gave up (another rank failed to load)
         process.end(0)
-    rank_stdin.install(lambda token: wire.send(channel, ASK + pickle.dumps(token)))
-    rank_stdin.install_breakpointhook()
-    threading.Thread(target=_watch_caller, args=(channel,), name="mpify_nb-watchdog", daemon=True).start()
+    rank_control.install_stdin(channel, state)
+    rank_control.start(channel, state)  # from now on the channel is the control thread's
     try:
         if ctx is None:
             value = fn(*args, **kwargs)
@@ -114,23 +143,38 @@ def main(channel_fd: int, expected_parent: int) -> None:
                     # Report first and leave without ctx.__exit__: tearing the group down
                     # would make the peers fail ("Connection closed by peer"), and their
                     # echo could reach the caller before this, the root cause.
-                    _send_failure(channel, e)
+                    _send_failure(channel, req, e)
                     process.end(0)
     except BaseException as e:
-        _send_failure(channel, e)
+        _send_failure(channel, req, e)
         process.end(0)
     try:
-        data, fds = payload.pack_result(value)
+        data, out_fds = payload.pack_result(value)
     except BaseException as e:
-        _send_failure(channel, e, f"the value returned by rank {rank} ({type(value).__name__}) cannot be pickled")
+        _send_failure(channel, req, e,
+                      f"the value returned by rank {rank} ({type(value).__name__}) cannot be pickled")
         process.end(0)
     process.flush_stdio()  # everything printed reaches the caller before the value does
-    _report_imports(channel)
-    try:
-        wire.send(channel, VALUE + data, fds)
-    except OSError:
-        pass  # the caller is gone; nothing to report to
+    _report_imports(channel, req)
+    rank_control.send(channel, pack(DONE, req, data), out_fds)
     process.end(0)
+
+
+_libc: Any = None
+
+
+def _flush_c_stdio() -> None:
+    """C extensions print through C's stdio, which buffers a pipe fully: flush it, or their
+    output would surface in some later cell."""
+    global _libc
+    try:
+        if _libc is None:
+            import ctypes
+
+            _libc = ctypes.CDLL(None)
+        _libc.fflush(None)
+    except (OSError, AttributeError):
+        pass
 
 
 def _apply(config: dict) -> None:
@@ -155,51 +199,32 @@ def _apply(config: dict) -> None:
             pass
 
 
-def _send_failure(channel, exc: BaseException, context: str = "") -> None:
+def _failure(exc: BaseException, req: int) -> bytes:
+    failure = RemoteFailure.capture(exc, lambda e: payload.dumps(e)[0])
+    return pack(FAIL, req, pickle.dumps((failure, False, {})))
+
+
+def _send_failure(channel, req: int, exc: BaseException, context: str = "") -> None:
     if context:
         try:
             raise RuntimeError(f"{context}: {type(exc).__name__}: {safe_str(exc)}") from exc
         except RuntimeError as wrapped:
             exc = wrapped
-    failure = RemoteFailure.capture(exc, lambda e: payload.dumps(e)[0])
+    reply = _failure(exc, req)
     process.flush_stdio()
-    _report_imports(channel)
-    try:
-        wire.send(channel, ERROR + pickle.dumps(failure))
-    except OSError:
-        pass
+    _report_imports(channel, req)
+    rank_control.send(channel, reply)
 
 
-def _report_imports(channel) -> None:
+def _report_imports(channel, req: int) -> None:
     """Tell the caller which modules this call imported here, so a later template can hold them."""
     try:
         news = [(name, getattr(module, "__file__", None)) for name, module in list(sys.modules.items())
                 if name not in _born_with and module is not None]
         if news:
-            wire.send(channel, IMPORTED + pickle.dumps(news))
+            wire.send(channel, pack(IMPORTED, req, pickle.dumps(news)))
     except Exception:
         pass  # only a speed-up is lost
-
-
-def _watch_caller(channel: socket.socket) -> None:
-    """The caller's answers to this rank's reads of stdin; a read of fd 0 itself (C code, a
-    /dev/stdin opened again) is seen here and asked for."""
-    try:
-        while True:
-            if select.select([channel], [], [], rank_stdin.RAW_READ_PERIOD)[0]:
-                message = wire.recv(channel)
-                if message is None:
-                    break
-                if message[0][:1] == ANSWER:
-                    rank_stdin.deliver(*pickle.loads(message[0][1:]))
-            elif rank_stdin.raw_read_waiting():
-                wire.send(channel, ASK + pickle.dumps(rank_stdin.RAW))
-    except (OSError, EOFError):
-        pass
-    # The caller closed its end: it is gone, or it gave up on this call.
-    process.flush_stdio()
-    process.kill_descendants()
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _line_buffered_stdio() -> None:

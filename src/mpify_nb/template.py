@@ -9,7 +9,7 @@ notebook may have initialized CUDA, and nothing of one call leaks into the next.
 
 ::
 
-    caller (TemplateClient)                  template (serve)                 rank
+    caller (TemplateClient)                  template (template_process.serve) rank
       | -- FORK id + fds [channel, out, err] -->|
       |                                         | os.fork() --------------------> dup2 out/err to 1/2
       |<------------------- FORKED id, pid -----|                                rank.main(channel)
@@ -39,10 +39,8 @@ all of them; the current one keeps serving meanwhile::
 
 from __future__ import annotations
 
-import gc
 import os
 import pickle
-import selectors
 import signal
 import socket
 import subprocess
@@ -52,190 +50,14 @@ import time
 from collections.abc import Sequence
 from typing import Any, Callable, NoReturn, Optional, Union
 
-from . import preload, process, wire
-
-_FORK, _FORKED, _EXITED, _READY, _HAS = "fork", "forked", "exited", "ready", "has"
+from . import preload, wire
+from .template_process import EXITED, FORK, FORKED, HAS, READY
 
 #: Environment variables read when torch & co are imported: a change means a new template.
 IMPORT_TIME_ENV = (
     "PYTHONPATH", "PYTHONHOME", "LD_LIBRARY_PATH", "LD_PRELOAD", "OMP_NUM_THREADS",
     "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TORCH_HOME", "VIRTUAL_ENV",
 )
-
-PRELOAD = ("torch", "torch.distributed", "numpy")
-
-
-# -- the template process -----------------------------------------------------------------
-
-def serve(control_fd: int) -> None:
-    """Main loop of the template process."""
-    import importlib
-
-    for name in PRELOAD:
-        try:
-            importlib.import_module(name)
-        except Exception:
-            pass
-    from . import rank  # noqa: F401  (imported now so each fork has it for free)
-
-    process.set_process_name("mpify_nb-tmpl")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the caller decides when ranks stop
-    control = socket.socket(fileno=control_fd)
-    failed = _preload(control)
-    # A rank killed before it could clean up leaves its children to us, not to init:
-    # _reap() then kills them (see process.kill_descendants).
-    process.become_subreaper()
-    # Everything imported so far is shared by every rank: keep the garbage collector off it.
-    # Ranks then neither spend CPU scanning it nor copy its pages by touching GC headers.
-    gc.collect()
-    gc.freeze()
-
-    child_r, child_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    signal.set_wakeup_fd(child_w, warn_on_full_buffer=False)
-    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler is needed for the wakeup fd to fire
-
-    children: set[int] = set()
-
-    def caller_gone() -> NoReturn:
-        process.kill_descendants(reap=False)  # its ranks, and all they started, go with it
-        os._exit(0)
-
-    def reply(*message) -> None:
-        try:
-            wire.send(control, pickle.dumps(message))
-        except OSError:
-            caller_gone()
-
-    reply(_READY, os.getpid(), failed)
-    selector = selectors.DefaultSelector()
-    selector.register(control, selectors.EVENT_READ, "control")
-    selector.register(child_r, selectors.EVENT_READ, "child")
-    while True:
-        for key, _ in selector.select():
-            if key.data == "child":
-                try:
-                    os.read(child_r, 4096)
-                except BlockingIOError:
-                    pass
-                # Any child of ours that is not a rank was adopted from a rank that died: end
-                # it and its tree before reporting that rank's exit, so when a call is over
-                # nothing its ranks started is left.
-                process.kill_descendants(spare=children, reap=False)
-                _reap(reply, children)
-                continue
-            try:
-                message = wire.recv(control)
-            except (OSError, EOFError):
-                message = None
-            if message is None:
-                caller_gone()
-            data, fds = message
-            kind, request_id, *rest = pickle.loads(data)
-            if kind == _HAS:  # which of these modules do we hold? (no import: a fork may be next)
-                reply(_HAS, request_id, [name for name in rest[0] if name in sys.modules])
-                continue
-            pid = os.fork()
-            if pid == 0:
-                _become_rank(fds, control, child_r, child_w)
-            for fd in fds:
-                os.close(fd)
-            children.add(pid)
-            reply(_FORKED, request_id, pid)
-
-
-def _preload(control: socket.socket) -> dict[str, str]:
-    """Import the modules the caller asks for (its first message), one by one; return those that
-    failed, with why. A module that initializes CUDA, starts a Python thread or leaves a child
-    process running would make every fork of us unsafe: we report it and leave, and the caller
-    starts over without it."""
-    import importlib
-
-    message = wire.recv(control)
-    if message is None:
-        os._exit(0)
-    _kind, names, paths = pickle.loads(message[0])
-    if not names:
-        return {}
-    sys.path.extend(p for p in paths if p not in sys.path)  # the caller's site-packages
-    torch = sys.modules.get("torch")
-    failed: dict[str, str] = {}
-    # What a module prints or warns at import would land in whichever cell runs now (ipykernel
-    # captures fds 1 and 2): a rank that imported it would have shown it in its own call.
-    saved = [os.dup(1), os.dup(2)]
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    os.dup2(devnull, 2)
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # is_available() without cuInit
-    try:
-        for name in names:
-            if name in sys.modules:
-                continue
-            _tell(control, "trying", name)
-            try:
-                importlib.import_module(name)
-            except BaseException as e:  # SystemExit, KeyboardInterrupt too: skip it, go on
-                failed[name] = f"{type(e).__name__}: {e}"[:300]
-                continue
-            why = ""
-            if torch is not None and torch.cuda.is_initialized():
-                why = "it initializes CUDA at import"
-            elif threading.active_count() > 1:
-                why = "it starts a thread at import"
-            elif process.children_of(os.getpid()):
-                # Every rank would hold its Popen, yet it is the template's child: the template's
-                # reaper would kill it under them.
-                why = "it starts a process at import"
-            if why:
-                _tell(control, "rejected", name, why)
-                process.kill_descendants(reap=False)  # what it started goes with us
-                os._exit(0)
-    finally:
-        for fd, saved_fd in zip((1, 2), saved):
-            os.dup2(saved_fd, fd)
-            os.close(saved_fd)
-        os.close(devnull)
-    return failed
-
-
-def _tell(control: socket.socket, *message) -> None:
-    try:
-        wire.send(control, pickle.dumps(message))
-    except OSError:
-        os._exit(0)  # the caller no longer wants us (preloading was turned off, or it left)
-
-
-def _reap(reply, children: set[int]) -> None:
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        if pid in children:  # not an orphan adopted from a rank
-            children.discard(pid)
-            reply(_EXITED, pid, os.waitstatus_to_exitcode(status))
-
-
-def _become_rank(fds: list[int], control, child_r: int, child_w: int) -> None:
-    try:
-        parent = os.getppid()
-        control.close()
-        signal.set_wakeup_fd(-1)
-        os.close(child_r)
-        os.close(child_w)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        channel, out, err = fds
-        os.dup2(out, 1)
-        os.dup2(err, 2)
-        os.close(out)
-        os.close(err)
-        from .rank import main
-
-        main(channel, parent)
-    finally:
-        os._exit(1)
 
 
 # -- the caller's handle on it ------------------------------------------------------------
@@ -256,7 +78,7 @@ class TemplateClient:
         self.env_signature = _env_signature()
         self._control = ours
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from mpify_nb.template import serve; serve(int(sys.argv[1]))",
+            [sys.executable, "-c", "import sys; from mpify_nb.template_process import serve; serve(int(sys.argv[1]))",
              str(theirs.fileno())],
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
@@ -304,7 +126,7 @@ class TemplateClient:
             self._next_id += 1
         try:
             with self._send_lock:
-                wire.send(self._control, pickle.dumps((_HAS, request_id, list(names))))
+                wire.send(self._control, pickle.dumps((HAS, request_id, list(names))))
         except OSError:
             return list(names)
         with self._cond:
@@ -351,7 +173,7 @@ class TemplateClient:
             self._next_id += 1
         try:
             with self._send_lock:
-                wire.send(self._control, pickle.dumps((_FORK, request_id)), fds)
+                wire.send(self._control, pickle.dumps((FORK, request_id)), fds)
         except OSError as e:
             raise TemplateDied(f"the template process (pid {self.pid}) is gone: {e}") from None
         with self._cond:
@@ -417,23 +239,23 @@ class TemplateClient:
                     break
                 reply = pickle.loads(message[0])
                 with self._cond:
-                    if reply[0] == _READY:
+                    if reply[0] == READY:
                         self.failed = reply[2]
                         self._ready = True
-                    elif reply[0] == _FORKED:
+                    elif reply[0] == FORKED:
                         self._forked[reply[1]] = reply[2]
                         self._live.add(reply[2])
-                    elif reply[0] == _EXITED:
+                    elif reply[0] == EXITED:
                         self._exited[reply[1]] = reply[2]
                         self._live.discard(reply[1])
-                    elif reply[0] == _HAS:
+                    elif reply[0] == HAS:
                         self._has[reply[1]] = reply[2]
                     elif reply[0] == "trying":
                         self.trying = reply[1]
                     elif reply[0] == "rejected":
                         self.rejected = (reply[1], reply[2])
                     self._cond.notify_all()
-                    retire_now = self._retiring and not self._live and reply[0] == _EXITED
+                    retire_now = self._retiring and not self._live and reply[0] == EXITED
                 if retire_now:
                     threading.Thread(target=self.close, name="mpify_nb-template-retire", daemon=True).start()
         except (OSError, EOFError):

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
-from .. import payload, wire
+from .. import payload, shm, wire
 
 # -- frames on the link ----------------------------------------------------------------------
 # kind (1 byte), number of parts (4), each part's length (8 each), then the parts.
@@ -80,7 +80,7 @@ def send_message(link: socket.socket, data, fds: list[int]) -> None:
 
 def deliver(channel: socket.socket, parts: list) -> None:
     """An ``m`` frame from the link onto a channel: its parts after the first become memfds again."""
-    fds = [payload._memfd_of(memoryview(p).cast("B")) for p in parts[1:]]
+    fds = [shm.memfd_of(memoryview(p).cast("B")) for p in parts[1:]]
     try:
         wire.send(channel, parts[0], fds)
     finally:

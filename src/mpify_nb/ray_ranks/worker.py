@@ -12,7 +12,7 @@ import sys
 import threading
 from typing import Any, Optional
 
-from .. import payload, wire
+from .. import payload, shm, wire
 from .link import deliver, frames, identity, interface_of, no_delay, send_frame, send_message
 
 #: Our package imported in a Ray worker must not start a template of its own.
@@ -128,7 +128,7 @@ def _call_memfds(objects: Any, lent: list) -> tuple[list[int], dict[int, tuple[i
                 if window is not None:
                     fds[i], windows[i] = window[0], window[1:]
                 else:
-                    fds[i] = payload._memfd_of(memoryview(held[i]).cast("B"))
+                    fds[i] = shm.memfd_of(memoryview(held[i]).cast("B"))
     except BaseException:
         payload.close_fds([fd for fd in fds if fd is not None])
         raise
