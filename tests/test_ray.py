@@ -39,6 +39,10 @@ CLIENT_PORT = mpify_nb.placement.free_port(HEAD)  # Ray Client's server on the h
 def cluster():
     from ray.cluster_utils import Cluster
 
+    # Ray Client's proxy gives a driver's server 30 s to come up, then fails the connection
+    # ("Starting Ray client server failed"); on this shared 2-core machine under load that
+    # server once took longer. The head node's processes read this from their environment.
+    os.environ.setdefault("RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S", "120")
     c = Cluster(initialize_head=True,
                 head_node_args={"num_cpus": 0, "node_ip_address": HEAD, "include_dashboard": False,
                                 "ray_client_server_port": CLIENT_PORT})
