@@ -58,7 +58,8 @@ LAYERS: dict[str, int] = {
     #    a rank's control thread and a Session rank's process group
     "payload": 1,
     "shm": 1,  # the shared memory big tensors and arrays travel in (memfds)
-    "relay": 1,
+    "relay": 1,  # the ranks' pipes: made or adopted, read (a thread or a pump), closed
+    "relay_output": 1,  # what a rank's bytes become in the cell: labelled lines, bars, a view's feed
     "comms": 1,  # the caller's side of the ranks' widget comms: twins in the kernel
     "relay_lines": 1,  # the relay's lines: cut, live display lines, the caller's streams
     "prompts": 1,  # the caller's side of a rank's stdin: the frontend's input prompts
@@ -105,6 +106,8 @@ LAYERS: dict[str, int] = {
     "magics.status": 9,  # %dist_status's table
     "magics.views": 9,  # lines or tabs: how a persistent cell shows its ranks' output
     "magics.rank_cells": 9,  # a rank cell's pieces run in order, through the cell's view
+    "magics.lifecycle": 9,  # the session's life: %dist_init ... %dist_status (a mixin)
+    "magics.cells_and_data": 9,  # %%distributed, %%rank, %%local, %dist_push/%dist_pull, %sync (a mixin)
     # 10: the package's front door (re-exports, %load_ext, the "ray" placement's provider)
     PACKAGE: 10,
 }

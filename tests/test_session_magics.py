@@ -94,6 +94,22 @@ def test_parse_ranks_rejects(spec):
         parse_ranks(spec, 3)
 
 
+def test_the_session_magics_class_holds_every_magic_of_its_mixins():
+    # The mixins' magics reach IPython only through the one @magics_class of SessionMagics:
+    # every magic, each from the module whose job it is.
+    from mpify_nb.magics.session import session_magics_class
+
+    cls = session_magics_class()
+    where = {kind: {name: getattr(cls, method).__module__.rsplit(".", 1)[1] for name, method in table.items()}
+             for kind, table in cls.magics.items()}
+    lifecycle = ["dist_debug", "dist_init", "dist_reset", "dist_restart", "dist_shutdown", "dist_status", "dist_view"]
+    assert where == {
+        "line": {**dict.fromkeys(lifecycle, "lifecycle"),
+                 **dict.fromkeys(["dist_mode", "dist_pull", "dist_push", "sync"], "cells_and_data")},
+        "cell": dict.fromkeys(["distributed", "local", "rank"], "cells_and_data"),
+    }
+
+
 # -- a kernel -----------------------------------------------------------------------------------
 
 class Kernel(MagicsKernel):

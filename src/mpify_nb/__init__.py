@@ -27,7 +27,8 @@ session_rank.py   a Session rank's requests; rank_group.py its process group
 preload.py        what the template comes to hold: the modules ranks need
 payload.py        packing the call and the results (dill, shared-memory tensors)
 shm.py            the shared memory they travel in (memfds)
-relay.py          where ranks' output is relayed into the cell
+relay.py          where ranks' output is relayed into the cell: the pipes, read live
+                  (what a rank's bytes become there: relay_output.py; lines: relay_lines.py)
 groups.py         torch.distributed groups: GPU ids, the store's socket, the group count
 process.py        what each of our processes does for itself: name, orphans, exit
 errors.py         where errors come back: RankError and the remote traceback

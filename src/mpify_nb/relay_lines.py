@@ -1,4 +1,4 @@
-"""The lines the relay (relay.py) writes: cutting a rank's bytes into lines, a live display
+"""The lines the relay writes (relay_output.py): cutting a rank's bytes into lines, a live display
 line (a bar, a partial line that grows), and the caller's own streams while ranks write beside it.
 
 ::

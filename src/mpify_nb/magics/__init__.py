@@ -1,18 +1,21 @@
 """IPython magics (``%load_ext mpify_nb``), by job:
 
-==============  ===============================================================
-ranch.py        %%ranch N: fresh ranks for one cell; %ranch_result
-session.py      persistent ranks: %dist_init, %%distributed, %%rank, %%local,
-                %dist_push/%dist_pull, %dist_status, ... driving one Session
-rank_cells.py   a rank cell run on the ranks: its pieces in order, names sent
-views.py        %dist_view: labelled lines (figures in rank order) or a tab per rank
-router.py       automatic mode's input transformer; the ranks a %%rank line names
-status.py       %dist_status's table
-auto.py         automatic mode: which cells go to the ranks, which lines stay
-onrank.py       %time / %timeit measured on the ranks
-cells.py        what every magic needs from a cell: its source compiled as
-                ``Cell In[n]``, the notebook names it reads, showing values
-==============  ===============================================================
+==================  ===============================================================
+ranch.py            %%ranch N: fresh ranks for one cell; %ranch_result
+session.py          persistent ranks: the magics class driving one Session, built from
+lifecycle.py        %dist_init, %dist_shutdown, %dist_reset, %dist_restart, %dist_debug,
+                    %dist_view, %dist_status: the session's life, and
+cells_and_data.py   %%distributed, %%rank, %%local, %dist_push/%dist_pull, %sync,
+                    %dist_mode: cells and data to the ranks
+rank_cells.py       a rank cell run on the ranks: its pieces in order, names sent
+views.py            %dist_view: labelled lines (figures in rank order) or a tab per rank
+router.py           automatic mode's input transformer; the ranks a %%rank line names
+status.py           %dist_status's table
+auto.py             automatic mode: which cells go to the ranks, which lines stay
+onrank.py           %time / %timeit measured on the ranks
+cells.py            what every magic needs from a cell: its source compiled as
+                    ``Cell In[n]``, the notebook names it reads, showing values
+==================  ===============================================================
 
 Ranks import this package (``_run_cell_on_rank`` lives in ranch.py), so nothing
 here imports IPython at import time: each magics class is built on first use.

@@ -25,6 +25,14 @@ _INTERRUPTED = ("KeyboardInterrupt: the cell was interrupted; every rank stopped
                 "and keeps its state")
 
 
+def usage(magic: str, message: str, usage_line: str = ""):
+    """A session magic's usage error (IPython shows it without a traceback)."""
+    from IPython.core.error import UsageError
+
+    tail = f"\nusage: {usage_line}" if usage_line else ""
+    return UsageError(f"%{magic}: {message}{tail}\n(see %{magic}? for help)")
+
+
 class RankCells:
     """Mixed into the session magics: what runs a rank cell. The magics class holds the state
     (``_session``, ``_timeout``, ``_router``, ``view``) and IPython's shell."""
