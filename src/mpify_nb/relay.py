@@ -289,6 +289,16 @@ class OutputRelay(RankOutput):
             self._finish(fd, where)
             return False
 
+    def catch_up(self, fds) -> None:
+        """Before a rank's display or widget frame is shown: relay what it printed first, its
+        held view text included (a frame on the channel overtakes bytes in its pipes)."""
+        for fd in fds:
+            self.pump(fd)
+        with self._lock:
+            if self._sink is not None:
+                for fd in fds:
+                    self._sink.give(fd)
+
     def due(self) -> Optional[float]:
         """Show the partial lines that waited long enough; seconds until the next is due."""
         with self._lock:

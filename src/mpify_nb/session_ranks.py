@@ -224,6 +224,7 @@ class SessionRanks:
 
     def _on_display(self, m: Member, req: int, body: Any, fds: list) -> None:
         bundle = pickle.loads(body)
+        self._engine.relay.catch_up(m.out_fds)  # what it printed before shows first
         if self._display is not None:
             self._display(m.rank, bundle)
             return
@@ -264,8 +265,7 @@ class SessionRanks:
     def _on_comm(self, m: Member, req: int, body: Any, fds: list) -> None:
         """A rank's widget frame (rank_comms.py) to its twin comm in the kernel (comms.py)."""
         frame = pickle.loads(body)
-        for fd in m.out_fds:  # what it printed before goes first (an Output widget captures by time)
-            self._engine.relay.pump(fd)
+        self._engine.relay.catch_up(m.out_fds)  # what it printed before goes first (an Output widget captures by time)
         self._comms.from_rank(m.rank, frame)
         if "sync" in frame:  # it waits for this before it prints on (rank_comms._emit)
             self._engine.send_control(m, COMM_ACK, NO_REQUEST, pickle.dumps(frame["sync"]))
