@@ -276,7 +276,9 @@ class Engine:
         """How ``m`` died, once it has (its exit code: waited for a little)."""
         m.process.wait_gone(2.0)
         error = RankExitedError(m.rank, m.process.exit_code(timeout=2.0), m.process.death_detail(), hint)
-        error.when = when  # before the wait: a peer's echo of this death may be timed within it
+        # Before the wait: a peer's echo of this death may be timed within it; and it died up to
+        # death_latency before we could see it (a rank on another host: through its link).
+        error.when = when - m.process.death_latency
         return error
 
     def wake(self) -> None:

@@ -212,6 +212,9 @@ class _Call:
         self.timeout = timeout
         self.imported: list[tuple[str, Optional[str]]] = []  # modules the ranks imported (preload.py)
         self.failure: Optional[BaseException] = None
+        # A rank's error held while a rank whose death is seen late (on another host) may have died
+        # first: the error may be its echo ("Connection closed by peer"). (error, held until when)
+        self.held: Optional[tuple[BaseException, float]] = None
         self.cond = threading.Condition()
         self.interrupted = False  # the user pressed stop (SIGINT)
         self.aborting = False  # we are stopping the ranks: their deaths are no news
@@ -336,7 +339,12 @@ class _Call:
 
     def _watch(self, until: Callable[[], bool]) -> None:
         """Handle rank events until ``until()`` holds or a failure was recorded."""
-        while not until() and self.failure is None and not self.interrupted:
+        while self.failure is None and not self.interrupted:
+            if self.held is not None:
+                if time.monotonic() >= self.held[1]:
+                    break
+            elif until():
+                break
             wait = self.engine.time_left(self.deadline)  # time a rank waits for the user is not the call's
             if wait is not None and wait <= 0:
                 running = sorted(r.rank for r in self.ranks.values() if not r.done)
@@ -346,7 +354,16 @@ class _Call:
                     f"ranch: the call did not finish within {self.timeout:g} s "
                     f"(ranks still running: {running}); every rank was stopped"))
                 return
+            if self.held is not None:
+                left = max(0.0, self.held[1] - time.monotonic())
+                wait = left if wait is None else min(wait, left)
             self.engine.pump(wait)
+        self._release_held()  # a death noticed meanwhile is recorded already: the error joins it
+
+    def _release_held(self) -> None:
+        if self.held is not None:
+            error, self.held = self.held[0], None
+            self._fail(error)
 
     def _on_wake(self, data: bytes) -> None:
         for signum in data:
@@ -381,6 +398,12 @@ class _Call:
         error = failure.to_error(handle.rank, payload.loads)
         if not handle.process.shares_clock:
             error.when = time.monotonic()  # another host's clock: order by when we heard
+        # A rank whose death we see only through its link (on another host) may have died before
+        # this error was raised, and caused it: wait that long for the news before choosing the root cause.
+        patience = max((r.process.death_latency for r in self.ranks.values() if not r.done), default=0.0)
+        if patience > 0 and self.failure is None and self.held is None:
+            self.held = (error, time.monotonic() + patience)
+            return
         self._fail(error)
 
     def _on_death(self, handle: _Rank) -> None:
@@ -416,9 +439,11 @@ class _Call:
     def _drain(self) -> None:
         """After the ranks ran (or were stopped): read the answers already sent. An error a
         rank sent before a peer's echo of it must not be lost."""
+        self._release_held()
         self.aborting = self.failure is not None or self.interrupted
         for handle in self.ranks.values():
             self._read_sent(handle)
+        self._release_held()
 
     def _read_sent(self, handle: _Rank) -> None:
         """Handle the answers ``handle`` has already sent, without waiting for more."""
