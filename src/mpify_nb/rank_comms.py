@@ -33,6 +33,8 @@ import sys
 import threading
 from typing import Any, Callable, Optional
 
+from . import rank_display
+
 #: The msg_id a rank's Output widget captures under; the caller puts the id of the kernel's
 #: message running now (a cell's execute_request, or a frontend's comm_msg) in its place.
 PARENT = "mpify-nb-rank-parent"
@@ -73,13 +75,13 @@ def install(send: Callable[[dict], None]) -> None:
     if "comm" in sys.modules:
         _patch_comm(sys.modules["comm"])
     else:  # patched when something imports it (ipywidgets does): a rank without widgets pays nothing
-        sys.meta_path.insert(0, _AfterImport("comm", _patch_comm))
+        sys.meta_path.insert(0, rank_display.AfterImport("comm", _patch_comm))
     functions = sys.modules.get("IPython.core.display_functions")
     if functions is not None:
         _patch_clear(functions)
         _rebind_preloaded(functions)
     else:
-        sys.meta_path.insert(0, _AfterImport("IPython.core.display_functions", _patch_clear))
+        sys.meta_path.insert(0, rank_display.AfterImport("IPython.core.display_functions", _patch_clear))
     if "tqdm.autonotebook" in sys.modules:  # preloaded by the template, where it chose text bars
         _want_widget_tqdm()
         for name in ("tqdm.autonotebook", "tqdm.auto"):
@@ -231,31 +233,6 @@ def _want_widget_tqdm() -> None:
         return
     if "comm" in sys.modules:
         _patch_comm(sys.modules["comm"])  # ours, whatever ipykernel set
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Calls ``then(module)`` once ``name`` is imported, before anything binds its names."""
-
-    def __init__(self, name: str, then: Callable[[Any], None]):
-        self.name, self.then = name, then
-
-    def find_spec(self, name, path, target=None):
-        if name != self.name:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        loader: Any = spec.loader
-        run = loader.exec_module
-        then = self.then
-
-        def exec_module(module):
-            run(module)
-            then(module)
-
-        loader.exec_module = exec_module
-        return spec
 
 
 class _BeforeImport(importlib.abc.MetaPathFinder):

@@ -48,7 +48,7 @@ def install(send: Callable[[dict], None]) -> None:
     if "IPython.core.display_functions" in sys.modules:
         _patch(sys.modules["IPython.core.display_functions"])
     else:
-        sys.meta_path.insert(0, _PatchOnImport())
+        sys.meta_path.insert(0, AfterImport("IPython.core.display_functions", _patch))
 
 
 def display(*objs: Any, **_options: Any) -> None:
@@ -83,12 +83,15 @@ def _patch(module: Any) -> None:
     module.display = display
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Replaces ``IPython.core.display_functions.display`` as soon as IPython loads it, before
-    ``IPython.display`` (and the user's ``from IPython.display import display``) binds it."""
+class AfterImport(importlib.abc.MetaPathFinder):
+    """Calls ``then(module)`` once ``name`` is imported, before anything binds its names (as
+    ``from IPython.display import display`` would bind IPython's own ``display``)."""
+
+    def __init__(self, name: str, then: Callable[[Any], None]):
+        self.name, self.then = name, then
 
     def find_spec(self, name, path, target=None):
-        if name != "IPython.core.display_functions":
+        if name != self.name:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
@@ -96,10 +99,11 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
             return spec
         loader: Any = spec.loader
         run = loader.exec_module
+        then = self.then
 
         def exec_module(module):
             run(module)
-            _patch(module)
+            then(module)
 
         loader.exec_module = exec_module
         return spec
