@@ -36,8 +36,9 @@ def typecheck(session: nox.Session) -> None:
     """pyright over src/ with the settings in pyproject.toml ([tool.pyright])."""
     session.install(TORCH)
     # matplotlib: optional at run time (a Session rank shows figures with it), checked here all the same;
-    # ipykernel (and its pyzmq): the frontend a rank's stdin asks through (prompts.py), when there is one.
-    session.install("-e", ".[ray]", "pyright==1.1.414", "matplotlib", "ipykernel")
+    # ipykernel (and its pyzmq): the frontend a rank's stdin asks through (prompts.py), when there is one;
+    # ipywidgets (the widgets extra): the tabs view (magics/views.py) and ranks' widgets.
+    session.install("-e", ".[ray,widgets]", "pyright==1.1.414", "matplotlib", "ipykernel")
     session.run("pyright", *session.posargs)
 
 
