@@ -53,11 +53,13 @@ def slider_of(messages: list[dict], rank_label: str) -> str:
     """The model id of the slider displayed after ``rank_label`` ("[rank 1]"; "" for the kernel's)."""
     label = ""
     for msg in messages:
-        if msg["msg_type"] != "display_data":
+        # lines view puts a cell's rich outputs in rank order: into places it then updates
+        if msg["msg_type"] not in ("display_data", "update_display_data"):
             continue
         data = msg["content"]["data"]
         view = data.get("application/vnd.jupyter.widget-view+json")
-        if view is not None and label == rank_label:
+        labelled_inside = rank_label and data.get("text/plain", "").startswith(rank_label)
+        if view is not None and (label == rank_label or labelled_inside):
             return view["model_id"]
         label = data.get("text/plain", "") if view is None else label
     raise RuntimeError(f"no widget view after {rank_label!r}")
