@@ -52,6 +52,15 @@ def start_kernel():
     return km, kc, marker
 
 
+def stop_kernel(km, kc, marker: str) -> None:
+    """End start_kernel()'s kernel, then whatever it left behind (by pid)."""
+    kc.stop_channels()
+    km.shutdown_kernel(now=False)
+    killed = nbutil.kill_leftovers(marker)
+    if killed:
+        print(f"    (ended {len(killed)} process(es) the kernel left, by pid)")
+
+
 def run(kc, code: str, answer: str) -> tuple[str, list[float], list[float]]:
     """Execute ``code``, answering every input request with ``answer``; return the stdout,
     when each request arrived and when each answer was sent."""
@@ -122,11 +131,7 @@ def main() -> int:
         ]
         run(kc, "%dist_shutdown", "")
     finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=False)
-        killed = nbutil.kill_leftovers(marker)
-        if killed:
-            print(f"    (ended {len(killed)} process(es) the kernel left, by pid)")
+        stop_kernel(km, kc, marker)
     return finish("debugging a rank: stdin through the frontend (issue 20)", results, args)
 
 

@@ -17,16 +17,12 @@ Run: ``.venv/bin/python benchmarks/bench_widgets.py [--quick] [--json PATH]``.
 
 from __future__ import annotations
 
-import os
 import queue
 import sys
 import time
 
 from _common import Result, finish, fmt_list, machine_line, median, parse_args
-from bench_debugging import start_kernel
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-import nbutil  # noqa: E402  (the tests' kernelspec: this interpreter)
+from bench_debugging import start_kernel, stop_kernel
 
 SLIDER = ("import ipywidgets as widgets\n"
           "s = widgets.IntSlider(value=0, max=10**9)\n"
@@ -118,11 +114,7 @@ def main() -> int:
         ]
         run(kc, "%dist_shutdown")
     finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=False)
-        killed = nbutil.kill_leftovers(marker)
-        if killed:
-            print(f"    (ended {len(killed)} process(es) the kernel left, by pid)")
+        stop_kernel(km, kc, marker)
     return finish("widgets on ranks: a frontend update to a rank and back (issue 21)", results, args)
 
 
