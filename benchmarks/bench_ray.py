@@ -69,7 +69,7 @@ def _object_store_figures(ray, ranch, big, touch, clone_s: float, reps: int, res
     """The 256 MB call as from another host, and Ray's floor for it (put + one fetch to a node)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from mpify_nb.ray_ranks import placer
+    from mpify_nb.start.ray_ranks import placer
 
     @ray.remote(num_cpus=0)
     def fetch(objects):

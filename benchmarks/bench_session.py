@@ -32,9 +32,9 @@ from _common import Result, finish, fmt_list, fmt_s, machine_line, median, parse
 def main() -> int:
     args = parse_args(__doc__.splitlines()[1])
     import torch
+    from mpify_nb.errors import CollectiveError
 
     from mpify_nb import Session, template
-    from mpify_nb.errors import CollectiveError
 
     template.get_template().wait_ready()
     print(machine_line())

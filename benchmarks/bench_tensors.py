@@ -52,7 +52,8 @@ def main() -> int:
     import torch
 
     import mpify_nb
-    from mpify_nb import payload, ranch
+    from mpify_nb import ranch
+    from mpify_nb.wire import payload
 
     reps = 3 if args.quick else 7
     mpify_nb.template.get_template().wait_ready()

@@ -23,7 +23,7 @@ import pytest
 
 import mpify_nb
 from helpers_ranks import start_time
-from mpify_nb import template
+from mpify_nb.start import template
 
 TESTS_DIR = Path(__file__).resolve().parent
 SCRIPTS_DIR = TESTS_DIR / "scripts"

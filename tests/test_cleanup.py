@@ -18,7 +18,8 @@ import pytest
 import helpers_ranks as hr
 import mpify_nb
 from helpers_ranch import assert_gone, method  # noqa: F401  (method: a fixture)
-from mpify_nb import RankRaisedError, template
+from mpify_nb import RankRaisedError
+from mpify_nb.start import template
 
 HOWS = ["popen", "fork", "mp_daemon", "double_fork_new_session", "dataloader"]
 

@@ -177,7 +177,7 @@ def test_fewer_gpus_than_ranks_here_puts_every_rank_on_cpu(monkeypatch):
 def test_nccl_chosen_when_a_gpu_is_assigned(scripts):
     """Local rank 1 with gpus="2,3" is put on GPU 3, and the group asked for is nccl (on a CPU
     build of torch init_process_group says it has no NCCL: that is the proof)."""
-    from mpify_nb.placement import free_port
+    from mpify_nb.start.placement import free_port
 
     proc = start_script("gpu_mock.py", env={"PORT": str(free_port("127.0.0.1")), "MPIFY_NB_PREWARM": "0"})
     scripts.append(proc)

@@ -226,7 +226,7 @@ def test_the_stop_button_at_a_prompt_ends_the_cell_and_keeps_state(nb):
 def test_a_frontend_without_stdin_gets_a_clear_error_at_the_read(nb):
     cell = nb.run("if rank == 1:\n    input('never? ')\n1", allow_stdin=False)
     assert cell.ename == "RankRaisedError", cell
-    assert "rank 1 raised mpify_nb.errors.StdinUnavailableError: rank 1 asked for input, but this frontend " \
+    assert "rank 1 raised mpify_nb.wire.errors.StdinUnavailableError: rank 1 asked for input, but this frontend " \
            "cannot answer" in cell.traceback
     assert cell.prompts == []
     assert nb.ok("1").results == ["[rank 0] 1\n[rank 1] 1"]

@@ -12,7 +12,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from mpify_nb import Session, engine, protocol, ranch
+from mpify_nb import Session, ranch
+from mpify_nb.engine import core as engine
+from mpify_nb.wire import protocol
 
 PING = protocol.claim(b"y", "test_engine")  # to a rank
 PONG = protocol.claim(b"Y", "test_engine")  # from a rank
@@ -23,7 +25,7 @@ def rank_side_echo() -> bytes:
     import os
     import queue
 
-    from mpify_nb import rank_control
+    from mpify_nb.rank import control as rank_control
 
     got: queue.Queue = queue.Queue()
     rank_control.on(b"y", lambda state, control, req, body: got.put(bytes(body)))

@@ -20,7 +20,7 @@ How an import statement reads:
 
 Importing ``x.y`` runs package ``x``'s ``__init__`` first, but the graph does not add that edge:
 a package's own modules import each other while it is being imported, and an outside module
-names the module it means. Strings that Python runs elsewhere (``python -c "from mpify_nb.rank
+names the module it means. Strings that Python runs elsewhere (``python -c "from mpify_nb.rank.loop
 import main"``) are not imports of the module that holds them.
 
 Two checks: no cycle (each is named, ``a -> b -> c -> a``), and the declared layer order below:
@@ -38,79 +38,50 @@ import pytest
 PACKAGE = "mpify_nb"
 SRC = Path(__file__).resolve().parent.parent / "src" / PACKAGE
 
-#: module -> layer: a module imports only modules of its own layer or lower ones. From the bottom:
+#: package (or top-level module) -> layer: a module imports only modules of its own layer or lower
+#: ones; inside a package, its modules import each other without cycles. From the bottom:
 LAYERS: dict[str, int] = {
-    # 0: what anything may use: framing, errors, this process and what it started, torch's
-    #    process groups, what training libraries expect, the stop button, a rank's displays
-    "errors": 0,
+    # 0: what both sides use: the wire format (errors, framing, protocol, payload, shared memory);
+    #    what we know of torch.distributed and the training libraries on it
     "wire": 0,
-    "process": 0,
-    "groups": 0,
-    "libraries": 0,
-    "interrupts": 0,
-    "rank_display": 0,
-    "rank_mpl_backend": 0,
-    "rank_stdin": 0,  # a rank's stdin, asked of the notebook's user
-    "rank_comms": 0,  # a rank's widget comms, sent to the caller
-    "waits": 0,  # what a rank waits on in torch.distributed (its recorder, its stack)
-    "protocol": 0,  # the frames a caller and its ranks exchange (kinds, request ids)
-    # 1: what a call is made of: its payload, its relayed output; what the template preloads;
-    #    a rank's control thread and a Session rank's process group
-    "payload": 1,
-    "shm": 1,  # the shared memory big tensors and arrays travel in (memfds)
-    "relay": 1,  # the ranks' pipes: made or adopted, read (a thread or a pump), closed
-    "relay_output": 1,  # what a rank's bytes become in the cell: labelled lines, bars, a view's feed
-    "comms": 1,  # the caller's side of the ranks' widget comms: twins in the kernel
-    "relay_lines": 1,  # the relay's lines: cut, live display lines, the caller's streams
-    "prompts": 1,  # the caller's side of a rank's stdin: the frontend's input prompts
-    "preload": 1,
-    "rank_control": 1,
-    "rank_group": 1,
-    # 2, 3: a rank's process: a Session's rank serves its requests (session_rank) in the one
-    #    loop of every rank, rank.serve, which runs a ranch rank's one CALL too
-    "session_rank": 2,
-    "rank": 3,
-    # 4: the warm process ranks are forked from (it runs rank.main in each fork)
-    "template_process": 4,
-    "template": 4,
-    # 5: where a rank starts: the seam, and the Ray placement that registers itself with it
-    "placement": 5,
-    "ray_ranks": 5,
-    "ray_ranks.link": 5,
-    "ray_ranks.worker": 5,
-    "ray_ranks.handle": 5,
-    "ray_ranks.client": 5,
-    "ray_ranks.placer": 5,
-    # 6: the engine: a set of live ranks (start, frames, output, deaths, stdin, stop); the
-    #    caller's own rank where it plays one
-    "engine": 6,
-    "own_rank": 6,
-    # 7: its two uses: ranch() (launcher) and Session (its rooms, from the bottom up)
-    "launcher": 7,
-    "session_ranks": 7,
-    "session_recovery": 7,
-    "session_calls": 7,
-    "session": 7,
-    # 8: what is built on them: in_torchddp, @distributed, import_star
-    "ddp": 8,
-    "decorator": 8,
-    "imports": 8,
-    # 9: the magics
-    "magics": 9,
-    "magics.cells": 9,
-    "magics.auto": 9,
-    "magics.onrank": 9,
-    "magics.ranch": 9,
-    "magics.session": 9,
-    "magics.router": 9,  # where a cell goes (automatic mode), which ranks %%rank names
-    "magics.status": 9,  # %dist_status's table
-    "magics.views": 9,  # lines or tabs: how a persistent cell shows its ranks' output
-    "magics.rank_cells": 9,  # a rank cell's pieces run in order, through the cell's view
-    "magics.lifecycle": 9,  # the session's life: %dist_init ... %dist_status (a mixin)
-    "magics.cells_and_data": 9,  # %%distributed, %%rank, %%local, %dist_push/%dist_pull, %sync (a mixin)
-    # 10: the package's front door (re-exports, %load_ext, the "ray" placement's provider)
-    PACKAGE: 10,
+    "torchdist": 0,
+    # 1: what runs inside a rank process; the ranks' output relayed into the cell (caller's side)
+    "rank": 1,
+    "relay": 1,
+    # 2: where a rank starts: placement, the template (its process runs rank.loop in each fork), Ray
+    "start": 2,
+    # 3: the engine: the one owner of live ranks, and the caller's half of each capability
+    "engine": 3,
+    # 4: its two uses: ranch() and Session
+    "launcher": 4,
+    "session": 4,
+    # 5: what is built on them: in_torchddp, @distributed, import_star
+    "ddp": 5,
+    "decorator": 5,
+    "imports": 5,
+    # 6: the magics
+    "magics": 6,
+    # 7: the package's front door (re-exports, %load_ext, the "ray" placement's provider)
+    PACKAGE: 7,
 }
+
+#: package -> the packages its modules may import from besides its own: the process boundary.
+#: A rank process runs nothing of the caller's side (engine, relay, start, launcher, session ...).
+MAY_ONLY_IMPORT: dict[str, set[str]] = {
+    "rank": {"wire", "torchdist"},
+    "wire": set(),
+    "torchdist": set(),
+    "relay": set(),
+}
+
+
+def layer_of(module: str) -> int:
+    return LAYERS[package_of(module)]
+
+
+def package_of(module: str) -> str:
+    """``rank.loop`` -> ``rank``; the top package is itself."""
+    return module.split(".")[0] if module != PACKAGE else PACKAGE
 
 
 def _modules() -> dict[str, Path]:
@@ -261,12 +232,13 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_graph_reads_imports_as_described() -> None:
     """The reader itself: a few edges that are known to be there, of each kind of statement."""
     graph = import_graph()
-    assert "wire" in graph["launcher"]  # from . import ..., wire (module-level)
-    assert "ray_ranks.link" in graph["ray_ranks.placer"]  # from .link import ...
-    assert "payload" in graph["ray_ranks.link"]  # from .. import payload, wire
-    assert "ray_ranks.placer" in graph["ray_ranks"]  # a package's __init__ re-exports
+    assert "wire.framing" in graph["launcher.call"]  # from ..wire import ..., framing (module-level)
+    assert "start.ray_ranks.link" in graph["start.ray_ranks.placer"]  # from .link import ...
+    assert "wire.payload" in graph["start.ray_ranks.link"]  # from ...wire import framing, payload, shm
+    assert "start.ray_ranks.placer" in graph["start.ray_ranks"]  # a package's __init__ re-exports
     assert "magics.ranch" in graph["magics"]
-    assert "launcher" in graph[PACKAGE]  # from .launcher import ranch
+    assert "launcher.call" in graph[PACKAGE]  # from .launcher.call import ranch
+    assert "rank.loop" in graph["start.template_process"]  # inside a function
 
 
 def test_reader_on_small_sources() -> None:
@@ -310,16 +282,44 @@ def test_no_import_cycles() -> None:
 
 def test_every_module_has_a_layer() -> None:
     graph = import_graph()
-    missing = sorted(set(graph) - set(LAYERS))
-    gone = sorted(set(LAYERS) - set(graph))
+    missing = sorted(module for module in graph if package_of(module) not in LAYERS)
+    gone = sorted(set(LAYERS) - {package_of(module) for module in graph})
     assert not missing, f"modules with no layer in tests/test_layers.py LAYERS: {missing}"
-    assert not gone, f"LAYERS names modules that are not there: {gone}"
+    assert not gone, f"LAYERS names packages or modules that are not there: {gone}"
 
 
 def test_imports_only_go_down() -> None:
     graph = import_graph()
-    upward = sorted(f"{module} (layer {LAYERS[module]}) imports {target} (layer {LAYERS[target]})"
-                    for module, targets in graph.items() if module in LAYERS
-                    for target in targets if target in LAYERS and LAYERS[target] > LAYERS[module])
+    upward = sorted(f"{module} (layer {layer_of(module)}) imports {target} (layer {layer_of(target)})"
+                    for module, targets in graph.items() for target in targets
+                    if layer_of(target) > layer_of(module))
     if upward:
         pytest.fail(f"{len(upward)} import(s) going up a layer:\n" + "\n".join("  " + line for line in upward))
+
+
+def test_a_rank_process_runs_nothing_of_the_callers_side() -> None:
+    """rank/ imports only rank/, wire/ and torchdist/ (and those two only themselves): what runs in a
+    rank process is visible in the folders, and a rank never loads the engine, the relay or a Session."""
+    graph = import_graph()
+    crossing = sorted(f"{module} imports {target}"
+                      for module, targets in graph.items() if package_of(module) in MAY_ONLY_IMPORT
+                      for target in targets
+                      if package_of(target) != package_of(module)
+                      and package_of(target) not in MAY_ONLY_IMPORT[package_of(module)])
+    assert not crossing, "imports across the process boundary:\n" + "\n".join("  " + line for line in crossing)
+
+
+def test_moved_modules_keep_their_documented_names() -> None:
+    """``mpify_nb.template``, ``mpify_nb.placement`` and ``mpify_nb.errors`` moved into packages; the
+    documented names still import the same modules."""
+    import importlib
+
+    import mpify_nb
+
+    for old, new in {"template": "start.template", "placement": "start.placement", "errors": "wire.errors"}.items():
+        moved = importlib.import_module(f"mpify_nb.{new}")
+        assert importlib.import_module(f"mpify_nb.{old}") is moved
+        assert getattr(mpify_nb, old) is moved
+    from mpify_nb.errors import CollectiveError, RankError
+
+    assert RankError is mpify_nb.RankError and CollectiveError.__module__ == "mpify_nb.wire.errors"

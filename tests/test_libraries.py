@@ -94,7 +94,7 @@ def _run_three_times(name: str, extra_cells: list[str] = ()) -> list:
         TRAINING_CELL,
         _state_probe(),
         *[f"print('RESULTS', json.dumps(ranch(2, train_{name})))\n" + _state_probe()
-          + ("mpify_nb.template.wait_preloaded(300)\n" if call == 0 else "") for call in range(3)],
+          + ("mpify_nb.start.template.wait_preloaded(300)\n" if call == 0 else "") for call in range(3)],
         f"print('HELD', json.dumps(ranch(2, held, {LIBRARY_MODULE[name]!r})))",
         *extra_cells,
     ], timeout=300)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import mpify_nb
-from mpify_nb import libraries
+from mpify_nb.torchdist import libraries
 
 TORCHRUN_VARS = ("GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE",
                  "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "OMP_NUM_THREADS")

@@ -393,7 +393,7 @@ def test_a_ddp_model_left_by_a_ddp_cell_says_its_group_ended(kernel):
 
 
 def test_fsdp_modules_dtensors_and_meshes_left_by_a_ddp_cell_say_their_group_ended(kernel):
-    from mpify_nb.groups import FSDP_ENDED_MESSAGE, MESH_ENDED_MESSAGE
+    from mpify_nb.torchdist.groups import FSDP_ENDED_MESSAGE, MESH_ENDED_MESSAGE
 
     kernel.ok("%%ranch 2 --ddp\nimport torch\nfrom torch.distributed.device_mesh import init_device_mesh\n"
               "from torch.distributed.fsdp import fully_shard\n"

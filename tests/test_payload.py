@@ -143,11 +143,11 @@ def test_big_numpy_arrays_travel_through_shared_memory_both_ways():
     import numpy as np
 
     arrays = hr.big_arrays(1 << 19)  # 2 MiB float32, 4 MiB int64: over the shared-memory threshold
-    data, fds = mpify_nb.payload.dumps(arrays)
+    data, fds = mpify_nb.wire.payload.dumps(arrays)
     try:
         assert len(fds) == 4 and len(data) < 4096, "the arrays' bytes were pickled"
     finally:
-        mpify_nb.payload.close_fds(fds)
+        mpify_nb.wire.payload.close_fds(fds)
     expected = {name: (np.float32(0).dtype.str if name != "ints" else np.int64(0).dtype.str) for name in arrays}
     for described in mpify_nb.ranch(2, hr.describe_arrays, arrays):
         for name, (kind, dtype, shape, fortran, writable, total, _base) in described.items():
@@ -163,16 +163,16 @@ def test_big_numpy_arrays_travel_through_shared_memory_both_ways():
 def test_small_view_of_a_big_tensor_ships_only_its_bytes():
     big = torch.arange(float(1 << 20))  # 4 MiB
     view = big[10:20]
-    data, fds = mpify_nb.payload.dumps(view)
+    data, fds = mpify_nb.wire.payload.dumps(view)
     assert not fds and len(data) < 4096, f"{len(data)} bytes pickled for a 40-byte view"
-    assert torch.equal(mpify_nb.payload.loads(data, fds), view)
+    assert torch.equal(mpify_nb.wire.payload.loads(data, fds), view)
     assert mpify_nb.ranch(2, hr.as_is, view, caller_rank=None)[0].tolist() == view.tolist()
 
 
 @pytest.fixture
 def four_copy_threads(monkeypatch):
     """Big tensors copied in 4 pieces (by 4 threads), however many cores this machine has."""
-    monkeypatch.setattr(mpify_nb.shm, "copy_threads", lambda: 4)
+    monkeypatch.setattr(mpify_nb.wire.shm, "copy_threads", lambda: 4)
 
 
 def test_a_big_tensor_in_pieces_is_one_tensor_again(four_copy_threads):
@@ -182,9 +182,9 @@ def test_a_big_tensor_in_pieces_is_one_tensor_again(four_copy_threads):
     t = torch.arange(n, dtype=torch.float32)
     arr = np.arange(3 << 20, dtype=np.float64)  # 24 MiB: 3 pieces
     value = {"t": t, "view": t[5:], "arr": arr}
-    data, fds = mpify_nb.payload.dumps(value)
+    data, fds = mpify_nb.wire.payload.dumps(value)
     assert len(fds) == 7 and len(data) < 4096
-    back = mpify_nb.payload.loads(data, fds, private=True)
+    back = mpify_nb.wire.payload.loads(data, fds, private=True)
     assert torch.equal(back["t"], t) and torch.equal(back["view"], t[5:]) and np.array_equal(back["arr"], arr)
     assert back["view"].data_ptr() == back["t"].data_ptr() + 20, "the view lost its aliasing"
     assert hr.mapping_of(back["t"].data_ptr() + (20 << 20)).startswith("/memfd:mpify_nb-tensor")
@@ -203,11 +203,11 @@ def test_a_big_tensor_in_pieces_travels_both_ways(four_copy_threads):
 
 
 def test_pieces_stop_at_the_budget(four_copy_threads, monkeypatch):
-    monkeypatch.setattr(mpify_nb.payload, "_PIECE_BUDGET", 5)  # 5 fds more than one per tensor
+    monkeypatch.setattr(mpify_nb.wire.payload, "_PIECE_BUDGET", 5)  # 5 fds more than one per tensor
     tensors = [torch.full(((32 << 20) // 4,), float(i)) for i in range(4)]  # 32 MiB: 4 pieces each
-    data, fds = mpify_nb.payload.dumps(tensors)
+    data, fds = mpify_nb.wire.payload.dumps(tensors)
     assert len(fds) == 4 + 3 + 1 + 1  # 3 extra, then the last 2, then none
-    back = mpify_nb.payload.loads(data, fds)
+    back = mpify_nb.wire.payload.loads(data, fds)
     assert all(torch.equal(a, b) for a, b in zip(back, tensors))
 
 
@@ -222,7 +222,7 @@ def test_windows_of_one_file_are_the_tensors(four_copy_threads, gap):
 
     t = torch.arange((32 << 20) // 4 + 3, dtype=torch.float32)  # 4 pieces, the last not a whole page
     arr = np.arange(300_000, dtype=np.float64)  # one memfd
-    data, fds = mpify_nb.payload.dumps({"t": t, "view": t[5:], "arr": arr})
+    data, fds = mpify_nb.wire.payload.dumps({"t": t, "view": t[5:], "arr": arr})
     store = os.memfd_create("store", os.MFD_CLOEXEC)
     windows, offset = {}, 256  # an object's bytes start past its header, not on a page
     try:
@@ -232,7 +232,7 @@ def test_windows_of_one_file_are_the_tensors(four_copy_threads, gap):
             os.pwrite(store, os.pread(fd, size, 0), offset)
             windows[i] = (offset, size)
             offset += size + gap
-        back = mpify_nb.payload.loads(data, [os.dup(store) for _ in fds], private=True, windows=windows)
+        back = mpify_nb.wire.payload.loads(data, [os.dup(store) for _ in fds], private=True, windows=windows)
         assert torch.equal(back["t"], t) and torch.equal(back["view"], t[5:]) and np.array_equal(back["arr"], arr)
         assert back["view"].data_ptr() == back["t"].data_ptr() + 20, "the view lost its aliasing"
         in_store = hr.mapping_of(back["t"].data_ptr() + (20 << 20)).startswith("/memfd:store")
@@ -241,7 +241,7 @@ def test_windows_of_one_file_are_the_tensors(four_copy_threads, gap):
         back["t"] += 1  # copy-on-write: the store keeps its bytes
         assert float(back["t"][0]) == 1.0 and os.pread(store, 8, windows[0][0]) == before
     finally:
-        mpify_nb.payload.close_fds(fds + [store])
+        mpify_nb.wire.payload.close_fds(fds + [store])
 
 
 @pytest.mark.parametrize("view", ["big", "small"])
@@ -350,11 +350,11 @@ def test_datetime64_and_timedelta64_arrays_travel_both_ways_through_shared_memor
     import numpy as np
 
     arrays = hr.time_arrays(200_000)  # 1.6 MB of datetime64[ns], as a DataFrame's date_range column
-    data, fds = mpify_nb.payload.dumps(arrays)
+    data, fds = mpify_nb.wire.payload.dumps(arrays)
     try:
         assert len(fds) == 4 and len(data) < 4096, "the arrays' bytes were pickled"
     finally:
-        mpify_nb.payload.close_fds(fds)
+        mpify_nb.wire.payload.close_fds(fds)
     expected = {name: (a.dtype.str, a.shape, name == "grid", str(a.flat[0]), str(a.flat[-1]))
                 for name, a in arrays.items()}
     assert mpify_nb.ranch(2, hr.describe_time_arrays, arrays) == [expected, expected]

@@ -14,7 +14,7 @@ import pytest
 
 import helpers_ranks as hr
 import mpify_nb
-from mpify_nb import preload, template
+from mpify_nb.start import preload, template
 
 # Standard-library modules that neither torch nor numpy import (the base template lacks them).
 POOL = ["colorsys", "wave", "netrc", "tabnanny", "sched", "pyclbr", "filecmp", "graphlib", "poplib", "ftplib"]

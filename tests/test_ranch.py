@@ -290,7 +290,7 @@ def test_script_without_main_guard(method, scripts):
 
 
 def test_template_shutdown_frees_it_and_the_next_call_starts_a_new_one():
-    from mpify_nb import template
+    from mpify_nb.start import template
 
     old_pid = template.get_template().pid
     template.shutdown()

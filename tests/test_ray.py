@@ -26,13 +26,13 @@ import torch  # noqa: E402
 import mpify_nb  # noqa: E402
 from helpers_ranch import kill_group, start_script  # noqa: E402
 from mpify_nb import RankExitedError, RankRaisedError, in_torchddp, ranch  # noqa: E402
-from mpify_nb.errors import CollectiveError  # noqa: E402
-from mpify_nb.ray_ranks import interface_of  # noqa: E402
+from mpify_nb.start.ray_ranks import interface_of  # noqa: E402
+from mpify_nb.wire.errors import CollectiveError  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
 HEAD, NODES = "127.0.0.4", ("127.0.0.2", "127.0.0.3")
-CLIENT_PORT = mpify_nb.placement.free_port(HEAD)  # Ray Client's server on the head
+CLIENT_PORT = mpify_nb.start.placement.free_port(HEAD)  # Ray Client's server on the head
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +206,7 @@ def test_ranks_on_another_host_map_the_object_stores_copy(on_ray, monkeypatch):
     maps the call's object where its node's Ray store holds it: one fetch per node, no copy per
     rank, copy-on-write (ranks on one node write without seeing each other), a big tensor's
     pieces as one tensor, a view still sharing its tensor's memory."""
-    monkeypatch.setattr(mpify_nb.ray_ranks.placer, "LEND_MEMFDS", False)
+    monkeypatch.setattr(mpify_nb.start.ray_ranks.placer, "LEND_MEMFDS", False)
     mpify_nb.set_placement("ray", address=on_ray[0].address, strategy="STRICT_PACK")  # both on one node
     big = torch.arange(8 * 1024 * 1024, dtype=torch.float32)  # 32 MiB: in pieces
     small = torch.arange(300_000, dtype=torch.float64)  # 2.4 MB: one memfd
@@ -239,7 +239,7 @@ def test_store_files_find_an_arrays_window(through):
 
     import numpy as np
 
-    from mpify_nb.ray_ranks.worker import StoreFiles
+    from mpify_nb.start.ray_ranks.worker import StoreFiles
 
     fd = os.memfd_create("store", os.MFD_CLOEXEC)
     os.ftruncate(fd, 1 << 20)
@@ -268,7 +268,7 @@ def test_store_files_find_an_arrays_window(through):
 
 def test_a_failed_ray_task_is_explained_by_its_last_line():
     """A RayTaskError's first line names only the task and worker; the user sees what went wrong."""
-    from mpify_nb.ray_ranks.handle import _explain
+    from mpify_nb.start.ray_ranks.handle import _explain
 
     class RayTaskError(Exception):
         pass

@@ -17,7 +17,7 @@ import pytest
 
 import helpers_ranks as hr
 import mpify_nb
-from mpify_nb import relay as relay_module
+from mpify_nb.relay import pipes as relay_module
 
 nbutil = pytest.importorskip("nbutil")  # conftest puts tests/ on sys.path
 

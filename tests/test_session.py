@@ -18,7 +18,7 @@ import pytest
 import mpify_nb
 from helpers_ranks import own_tcp_sockets, start_time
 from mpify_nb import RankStatus, Session
-from mpify_nb.errors import (
+from mpify_nb.wire.errors import (
     CollectiveError,
     RankExitedError,
     RankRaisedError,
@@ -369,7 +369,7 @@ def test_a_figure_is_shown_when_the_template_preloaded_matplotlib():
     """A template that preloads matplotlib (named here; or learned from ranks) has it imported with the
     kernel's backend already read: a Session's rank must still draw into the cell."""
     pytest.importorskip("matplotlib")
-    from mpify_nb import preload, template
+    from mpify_nb.start import preload, template
 
     was = preload.enabled()
     try:
@@ -493,7 +493,7 @@ def test_display_from_a_rank_thread_keeps_the_channel_whole(session):
 
 
 def test_a_corrupt_length_is_refused_before_anything_is_allocated():
-    from mpify_nb import wire
+    from mpify_nb.wire import framing as wire
 
     a, b = wire.socketpair()
     with a, b:
@@ -524,7 +524,7 @@ def test_pulling_a_value_that_cannot_be_pickled_raises(session):
     # Before: pull handed back a RemoteRepr (a text stand-in) without saying so. A generator
     # cannot be pickled: pull says so; a cell's shown value may still be its repr.
     from mpify_nb import PayloadError
-    from mpify_nb.session_rank import RemoteRepr
+    from mpify_nb.rank.session import RemoteRepr
 
     session.run("g = (i for i in range(3))")
     with pytest.raises(PayloadError, match=r"cannot pull 'g' from rank 0: .*generator"):
@@ -563,7 +563,7 @@ def test_a_value_that_never_finishes_pickling_is_interrupted_like_user_code(sess
 
 
 def test_a_timeout_says_which_ranks_did_not_stop():
-    from mpify_nb.session_calls import _timed_out
+    from mpify_nb.session.calls import _timed_out
 
     assert _timed_out(3, [0, 1], []).endswith("they were interrupted, their state is kept")
     assert "ranks [1] did not stop" in _timed_out(3, [0, 1], [1]) and "restart([1])" in _timed_out(3, [0, 1], [1])
@@ -572,7 +572,7 @@ def test_a_timeout_says_which_ranks_did_not_stop():
 def test_template_shutdown_spares_an_open_sessions_ranks():
     # Before: template.shutdown() (which the README suggests to free ~220 MB) killed every rank
     # of an open Session: they are forked from it and die with it.
-    from mpify_nb import template
+    from mpify_nb.start import template
 
     with Session(2) as s:
         before = identities(s)

@@ -348,7 +348,7 @@ def test_ranks_forked_from_a_template_that_preloaded_widgets_and_tqdm_get_them_r
     # interact and Output, preloaded too, show and clear through the rank's display and clear_output
     seen = fe.cell("import ipywidgets.widgets.interaction as interaction, IPython.display\n"
                    "[f.__module__ for f in (interaction.display, interaction.clear_output, IPython.display.display)]")
-    modules = "['mpify_nb.rank_display', 'mpify_nb.rank_comms', 'mpify_nb.rank_display']"
+    modules = "['mpify_nb.rank.display', 'mpify_nb.rank.comms', 'mpify_nb.rank.display']"
     assert seen.results == [f"[rank 0] {modules}\n[rank 1] {modules}"]
     fe.cell("%dist_shutdown")
     fe.cell("%%local\nmpify_nb.set_preload(False)")

@@ -15,7 +15,7 @@ the launcher kills the ranks, the store goes with them, and a caller blocked in
 Outside ``ranch`` it is the usual ``env://`` rendezvous.
 
 What ``ranch`` and a Session share with this module about groups (GPU ids, the store's
-listening socket, torch's group count) is in groups.py, below all three.
+listening socket, torch's group count) is in torchdist/groups.py, below all three.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import os
 import warnings
 from typing import Any, Callable, Optional
 
-from .groups import GpuSpec, group_count, listen_on, parse_gpus, set_group_count
+from .torchdist.groups import GpuSpec, group_count, listen_on, parse_gpus, set_group_count
 
 
 class TorchDDPCtx:
@@ -66,7 +66,7 @@ class TorchDDPCtx:
         if self.gpus is not None and len(self.gpus) < nprocs:
             raise ValueError(f"gpus={self.gpus} names {len(self.gpus)} GPUs for {nprocs} ranks: "
                              "give one GPU id per rank")
-        from . import placement
+        from .start import placement
 
         wants_gpu = self.gpus is not None or self.backend == "nccl"
         if not wants_gpu:
@@ -234,7 +234,7 @@ def in_torchddp(
         return TorchDDPCtx(backend=backend, gpus=gpus)
     if fn is None:
         raise TypeError("in_torchddp(nprocs, fn, ...): fn is missing")
-    from .launcher import ranch
+    from .launcher.call import ranch
 
     if "ctx" in kwargs:
         raise TypeError("in_torchddp(nprocs, fn, ...) makes its own ctx; use ranch(..., ctx=...) to pass one")

@@ -15,7 +15,7 @@ import time
 
 import helpers_ranks
 import mpify_nb
-from mpify_nb import template
+from mpify_nb.start import template
 
 mode, directory = sys.argv[1], sys.argv[2]
 if mpify_nb.get_start_method() == "template":

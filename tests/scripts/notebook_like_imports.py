@@ -19,4 +19,4 @@ def work():
 if __name__ == "__main__":
     EXTRA = "given by need="
     print(ranch(2, work, caller_rank=None, need="EXTRA", imports="import numpy as np"))
-    mpify_nb.template.shutdown()
+    mpify_nb.start.template.shutdown()

@@ -11,7 +11,7 @@ import socket
 import sys
 
 import mpify_nb
-from mpify_nb import template
+from mpify_nb.start import template
 
 started = []
 sys.addaudithook(lambda event, args: started.append(event) if event in (

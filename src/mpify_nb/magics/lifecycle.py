@@ -42,7 +42,7 @@ def session_lifecycle_class() -> type:
     from IPython.core.magic_arguments import argument, kwds, magic_arguments, parse_argstring
     from IPython.display import publish_display_data
 
-    from ..errors import RankError
+    from ..wire.errors import RankError
 
     class SessionLifecycle(RankCells):
         """%dist_init, %dist_shutdown, %dist_reset, %dist_restart, %dist_debug, %dist_view, %dist_status."""
@@ -112,7 +112,7 @@ def session_lifecycle_class() -> type:
                     raise usage("dist_init", f"{asked} needs CUDA GPUs {wanted}; this machine has {count}",
                                 _INIT_USAGE)
 
-            from ..session import Session
+            from ..session.session import Session
 
             try:
                 self._session = Session(args.num_processes, ddp=True, gpus=gpus, backend=args.backend)

@@ -97,8 +97,8 @@ def ranch_magics_class() -> type:
     from IPython.display import publish_display_data
 
     from ..ddp import in_torchddp
-    from ..errors import PayloadError, RankError
-    from ..launcher import ranch
+    from ..launcher.call import ranch
+    from ..wire.errors import PayloadError, RankError
 
     @magics_class
     class RanchMagics(Magics):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import ast
 from typing import Any, Callable, Optional, cast
 
-from ..errors import PayloadError, RankError
+from ..wire.errors import PayloadError, RankError
 from . import onrank
 from .auto import Piece, split_cell
 from .cells import CellSyntaxError, cell_number, ends_with_semicolon, labelled, notebook_names_for, show_briefly

@@ -21,7 +21,7 @@ Where a cell goes (the kernel is never a rank)::
                  <── through the cell's view (views.py): live "[rank k] ..." lines, rich
                      display in rank order, values by rank; or a tab per rank. Errors.
 
-The Session (session.py at the package root) owns the processes, the channels, output
+The Session (session/session.py, a package beside magics/) owns the processes, the channels, output
 relay, interrupts and errors. This module builds the one magics class and holds the default
 session; its magics come from two mixins, each with a job: the session's life (lifecycle.py:
 %dist_init, %dist_shutdown, %dist_reset, %dist_restart, %dist_debug, %dist_view, %dist_status)

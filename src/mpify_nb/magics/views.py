@@ -9,7 +9,7 @@
 
 A view is made for each cell and handed to ``Session.run(display=view)``::
 
-    rank k  print(...)            ── relay ──> lines: "[rank k] ..." stream lines (relay.py)
+    rank k  print(...)            ── relay ──> lines: "[rank k] ..." stream lines (relay/pipes.py)
                                                tabs:  view.rank_streams(k, "stdout", text)
             display(obj), figures ── DISPLAY ─> view(k, bundle)
     values of the last expression ───────────> view.values({k: value})

@@ -1,0 +1,9 @@
+"""The engine: the one owner of a set of live ranks, under both ``ranch`` and ``Session``.
+
+``core`` (``Engine``: start through the placer, channels, output, deaths, the one event loop),
+the caller's half of each capability that touches running ranks (``prompts``: stdin; ``comms``:
+widgets) and ``interrupts`` (the stop button for calls on other threads).
+
+It may import ``wire/``, ``torchdist/``, ``rank/`` (the rank's half of a capability),
+``relay/`` and ``start/``.
+"""

@@ -1,0 +1,411 @@
+"""The engine: a set of live rank processes, started through a placer and watched in one loop.
+
+``ranch`` and ``Session`` are its two uses. What a rank is, how it talks, prints, reads stdin
+and dies is the engine's; what a failure means is each use's own, in the frame handlers it
+registers (:meth:`Engine.on`) and in its ``on_death``/``on_wake``::
+
+    ranch (launcher/call.py)                         Session (session/)
+    one request; the ranks exit after it        many requests; the ranks stay
+      spawn(r) for each rank but the caller's     spawn(r, control=True) for every rank
+      setup + CALL, right after each fork         setup (+ its control end, the store socket)
+      every READY, then GO                        every READY (its group is up)
+      pump() on a watch thread while the          per call: RUN / APPLY / PUSH / PULL ...,
+        caller plays its own rank (launcher/own_rank.py)pump() on the call's thread
+      DONE / FAIL: the first failure wins,        DONE / FAIL per request; stuck: stop, abort
+        kill every rank                             the group, rebuild (session/recovery.py)
+      bury every rank                             bury on restart() and close()
+            |                                           |
+            v                                           v
+    +----------------------------------- Engine ------------------------------------+
+    | members {rank: Member}     handlers {kind: handler(member, req, body, fds)}   |
+    |                                                                                |
+    | spawn ── socketpair(s), stdout/stderr pipes, placer.start(r) ──────────────────+──> rank r, born:
+    | send(m, kind, req) ── channel ─────────────────────────────────────────────────+──> rank.loop.serve, one
+    |                                                                                |    request at a time
+    | send_control(m, kind, req) ── control channel (a ranch rank: its channel) ─────+──> its control thread
+    |                                                                                |    (rank/control.py)
+    | pump(wait): one select over                                                    |
+    |   channel, control  -> handlers[kind]   <── READY DONE FAIL ASK IMPORTED ... ──+─── rank r
+    |   stdout/stderr     -> relay.pump       <── print(...) (ranch: the relay's own thread)
+    |   pidfd             -> on_death(m)      <── it died (signal, segfault, OOM, its node)
+    |   wake pipe         -> prompt answers (ANSWER to the rank); on_wake(bytes): SIGINT
+    | ASK: prompts.Prompter asks the user; time_left() does not count that wait      |
+    | bury(m): kill, wait, end what it left; close its fds                           |
+    +--------------------------------------------------------------------------------+
+
+A capability (widgets' comms, say) claims frame kinds (protocol.claim), registers its handlers
+on every engine (add_capability) and on every rank's control thread (rank/control.py: on), and
+sends from a rank with rank/control.py's to_caller: written once, for every rank of both uses.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pickle
+import select
+import selectors
+import signal
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Callable, Optional, TypeVar
+
+from ..relay.pipes import OutputRelay
+from ..start import placement
+from ..wire import framing, payload
+from ..wire.errors import RankExitedError
+from ..wire.protocol import ANSWER, ASK, pack, unpack
+from . import interrupts, prompts
+
+
+class Member:
+    """The engine's view of one live rank: its channel(s), its process, its output pipes."""
+
+    def __init__(self, rank: int, channel: socket.socket, process: placement.RankProcess,
+                 control: Optional[socket.socket] = None, out_fds: tuple[int, ...] = ()):
+        self.rank = rank
+        self.channel = channel
+        self.process = process
+        self.control = control  # a Session rank's control channel (a ranch rank's is its channel)
+        self.out_fds = out_fds  # its stdout/stderr read ends, when the engine pumps them
+        self.channel_open = True
+        self.buried = False  # its process is gone and its fds are closed
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid  # on a Ray node, known once the rank has called back
+
+
+M = TypeVar("M", bound=Member)
+
+#: handler(member, request id, body, fds) for one kind of frame from a rank; it owns ``fds``.
+Handler = Callable[[Any, int, Any, list], None]
+
+
+#: What every new engine runs first: capabilities that handle frames of their own (add_capability).
+_capabilities: list[Callable[[Engine], None]] = []
+
+
+def add_capability(install: Callable[[Engine], None]) -> None:
+    """Have ``install(engine)`` run on every engine made from now on, ranch's and a Session's:
+    it registers the capability's frame handlers there (``engine.on(kind, handler)``).
+
+    Example (a capability's module; its rank side registers with rank_control.on)::
+
+        COMM_MSG = protocol.claim(b"u", "comms")
+        engine.add_capability(lambda e: e.on(COMM_MSG, lambda m, req, body, fds: show(m.rank, body)))
+    """
+    if install not in _capabilities:
+        _capabilities.append(install)
+
+
+def remove_capability(install: Callable[[Engine], None]) -> None:
+    """Engines made from now on go without it."""
+    if install in _capabilities:
+        _capabilities.remove(install)
+
+
+class Engine:
+    """Live ranks and their one event loop. ``pump_output``: relay the ranks' stdout/stderr
+    in :meth:`pump` (a Session: written on the call's thread), else on the relay's own
+    thread (ranch: the caller's own rank runs while ranks print)."""
+
+    def __init__(self, relay: OutputRelay, pump_output: bool):
+        self.members: dict[int, Any] = {}
+        self.relay = relay
+        self.pump_output = pump_output
+        self.handlers: dict[bytes, Handler] = {ASK: self._on_ask}
+        self.on_death: Callable[[Any], None] = lambda m: None  # the rank's pidfd or channel says it ended
+        self.on_wake: Callable[[bytes], None] = lambda data: None  # bytes written to the wake pipe
+        self.prompter: Optional[prompts.Prompter] = None
+        self.selector = selectors.DefaultSelector()
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.selector.register(self.wake_r, selectors.EVENT_READ, ("wake", None))
+        self.closed = False
+        for install in list(_capabilities):
+            install(self)
+
+    def on(self, kind: bytes, handler: Handler) -> None:
+        """Handle frames of ``kind`` from every rank with ``handler`` (one per kind)."""
+        if kind in self.handlers and self.handlers[kind] != handler:
+            raise ValueError(f"frames of kind {kind!r} have a handler already")
+        self.handlers[kind] = handler
+
+    # -- starting ----------------------------------------------------------------------------
+
+    def spawn(self, placer: placement.Placer, rank: int, timeout: Optional[float], *,
+              member: Callable[..., Any] = Member, control: bool = False,
+              pipe_size: int = 0) -> tuple[Any, Optional[socket.socket]]:
+        """Start rank ``rank`` through ``placer``. With ``control``, it gets a control channel
+        too: returns the rank's end of it, to send with its setup (then close)."""
+        ours, theirs = framing.socketpair()
+        control_ours = control_theirs = None
+        if control:
+            control_ours, control_theirs = framing.socketpair()
+        if self.pump_output:
+            out_r, out_w = os.pipe2(os.O_CLOEXEC)
+            err_r, err_w = os.pipe2(os.O_CLOEXEC)
+            for fd in (out_w, err_w) if pipe_size else ():
+                try:
+                    fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, pipe_size)
+                except (OSError, AttributeError):
+                    pass  # the default 64 KiB will do
+            out_fds: tuple[int, ...] = (out_r, err_r)
+        else:
+            out_w, err_w = self.relay.add(rank)
+            out_fds = ()
+        try:
+            process = placer.start(rank, theirs.fileno(), out_w, err_w, timeout)
+        except BaseException:
+            for s in (ours, control_ours, control_theirs):
+                if s is not None:
+                    s.close()
+            for fd in out_fds:
+                os.close(fd)
+            raise
+        finally:
+            theirs.close()
+            os.close(out_w)
+            os.close(err_w)
+        m = member(rank, ours, process, control_ours, out_fds)
+        self.members[rank] = m
+        sel = self.selector
+        sel.register(ours, selectors.EVENT_READ, ("frame", m))
+        if control_ours is not None:
+            sel.register(control_ours, selectors.EVENT_READ, ("control", m))
+        if out_fds:
+            self.relay.adopt(rank, *out_fds)
+            for fd in out_fds:
+                sel.register(fd, selectors.EVENT_READ, ("out", m))
+        if process.death_fd is not None:
+            sel.register(process.death_fd, selectors.EVENT_READ, ("death", m))
+        return m, control_theirs
+
+    # -- talking -----------------------------------------------------------------------------
+
+    def send(self, m: Member, kind: bytes, req: int, body: bytes = b"", fds=()) -> bool:
+        """A frame on ``m``'s channel; False when it is gone (its death is the news, not this)."""
+        try:
+            framing.send(m.channel, pack(kind, req, body), fds)
+            return True
+        except OSError:
+            return False
+
+    def send_control(self, m: Member, kind: bytes, req: int, body: bytes = b"") -> None:
+        """A frame for ``m``'s control thread (on its channel when it has no control channel)."""
+        try:
+            framing.send(m.control if m.control is not None else m.channel, pack(kind, req, body))
+        except OSError:
+            pass
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def pump(self, wait: Optional[float]) -> None:
+        """Handle what the ranks sent (frames, output, deaths) within ``wait`` seconds."""
+        if self.pump_output:
+            due = self.relay.due()
+            if due is not None:
+                wait = due if wait is None else min(wait, due)
+        for key, _ in self.selector.select(wait):
+            what, m = key.data
+            if what == "out":
+                if not self.relay.pump(key.fd):
+                    self.unregister(key.fd)
+            elif what == "frame":
+                self._on_frame(m, m.channel)
+            elif what == "control":
+                self._on_frame(m, m.control)
+            elif what == "death":
+                self.on_death(m)
+            else:
+                try:
+                    data = os.read(self.wake_r, 4096)
+                except BlockingIOError:
+                    data = b""
+                for reply, answer in self.prompter.take_answers() if self.prompter is not None else ():
+                    reply(answer)
+                self.on_wake(data)
+
+    def _on_frame(self, m: Member, sock: socket.socket, kinds: Optional[tuple[bytes, ...]] = None,
+                  on_end: bool = True) -> None:
+        try:
+            message = framing.recv(sock)
+        except (OSError, EOFError):
+            message = None
+        if message is None:
+            self.unregister(sock)
+            if sock is m.channel:
+                m.channel_open = False
+                if on_end:
+                    self.on_death(m)
+            return
+        data, fds = message
+        kind, req, body = unpack(data)
+        handler = self.handlers.get(kind)
+        if handler is None or kinds is not None and kind not in kinds:
+            payload.close_fds(fds)  # nobody here speaks it (or it is no news now)
+            return
+        handler(m, req, body, fds)
+
+    def read_sent(self, m: Member, more: Callable[[], bool], kinds: tuple[bytes, ...]) -> None:
+        """Handle the frames of ``kinds`` that ``m`` has already sent (others are dropped),
+        without waiting for more, while ``more()``: a rank that died may have answered first."""
+        m.channel.settimeout(1.0)  # a message cut short by a kill must not stall us
+        try:
+            while m.channel_open and more():
+                if not select.select([m.channel], [], [], 0)[0]:
+                    break
+                self._on_frame(m, m.channel, kinds, on_end=False)
+        finally:
+            if m.channel_open:
+                m.channel.settimeout(None)
+
+    def stirred(self, members: Sequence[Member]) -> bool:
+        """Has one of ``members`` died, or sent something not yet read?"""
+        fds: list[Any] = [m.process.death_fd for m in members if m.process.death_fd is not None]
+        fds += [m.channel for m in members if m.channel_open]
+        return bool(fds) and bool(select.select(fds, [], [], 0)[0])
+
+    def ended(self, members: Sequence[M]) -> list[M]:
+        """Those of ``members`` whose pidfd says they are gone (between calls nobody watches)."""
+        fds = [m.process.death_fd for m in members if m.process.death_fd is not None]
+        gone = set(select.select(fds, [], [], 0)[0]) if fds else set()
+        return [m for m in members if m.process.death_fd in gone]
+
+    def death_error(self, m: Member, when: float, hint: str = "") -> RankExitedError:
+        """How ``m`` died, once it has (its exit code: waited for a little)."""
+        m.process.wait_gone(2.0)
+        error = RankExitedError(m.rank, m.process.exit_code(timeout=2.0), m.process.death_detail(), hint)
+        # Before the wait: a peer's echo of this death may be timed within it; and it died up to
+        # death_latency before we could see it (a rank on another host: through its link).
+        error.when = when - m.process.death_latency
+        return error
+
+    def wake(self) -> None:
+        if self.closed:
+            return
+        try:
+            os.write(self.wake_w, b"w")
+        except (BlockingIOError, OSError):
+            pass
+
+    def unregister(self, *objs: Any) -> None:
+        """Stop selecting on these (None and what is not registered are skipped)."""
+        for obj in objs:
+            if obj is None:
+                continue
+            try:
+                self.selector.unregister(obj)
+            except (KeyError, ValueError):
+                pass
+
+    # -- a rank reads its stdin --------------------------------------------------------------
+
+    def open_prompts(self) -> None:
+        """Make this call's prompter now, on the thread that runs the cell (the frontend is
+        found there); else it is made at the first prompt, in the loop."""
+        self.prompter = prompts.Prompter(self.wake)
+
+    def _on_ask(self, m: Member, req: int, body: Any, fds: list) -> None:
+        """Rank ``m`` reads its stdin: ask the user (engine/prompts.py), its open line the prompt."""
+        token = pickle.loads(body)
+        prompt = self.relay.take_prompt(m.rank)
+
+        def reply(answer: Any) -> None:
+            self.send_control(m, ANSWER, req, pickle.dumps((token, answer)))
+
+        if self.prompter is None:
+            self.open_prompts()
+        assert self.prompter is not None
+        self.prompter.ask(m.rank, prompt, reply)
+
+    def close_prompts(self) -> None:
+        """No one answers this call's prompts any more: the reads still waiting are ended
+        (a rank at a prompt reads KeyboardInterrupt, then end of file)."""
+        if self.prompter is None:
+            return
+        for reply, answer in self.prompter.close():
+            reply(answer)
+
+    def time_left(self, deadline: Optional[float]) -> Optional[float]:
+        """Seconds until ``deadline``, time spent waiting for the user (a pdb prompt) not
+        counted; None without a deadline, or while a rank waits for the user."""
+        prompter = self.prompter
+        if deadline is None or prompter is not None and prompter.waiting:
+            return None
+        return deadline + (prompter.waited() if prompter is not None else 0.0) - time.monotonic()
+
+    # -- ending ------------------------------------------------------------------------------
+
+    def kill_all(self) -> None:
+        for m in self.members.values():
+            m.process.kill()
+
+    def bury(self, m: Member) -> None:
+        """Make sure ``m``'s process is gone, then let go of everything that was its (once)."""
+        if m.buried:
+            return
+        m.buried = True
+        m.process.kill()
+        if m.process.exit_code(timeout=5.0) is None:
+            m.process.wait_gone(5.0)  # e.g. its template died with it: no exit code
+        m.process.kill_leftovers()  # what it started, in its own process group
+        if m.out_fds:
+            self.relay.forget(list(m.out_fds))
+        self.unregister(m.channel, m.control, *m.out_fds, m.process.death_fd)
+        m.channel.close()
+        if m.control is not None:
+            m.control.close()
+        for fd in m.out_fds:
+            os.close(fd)
+        m.process.close()
+
+    def close(self) -> None:
+        """After every rank is buried: the loop's own fds."""
+        self.closed = True
+        self.selector.close()
+        os.close(self.wake_r)
+        os.close(self.wake_w)
+
+    def forget_in_child(self) -> None:
+        """In a fork of the caller (a DataLoader worker of the notebook): drop our copies of the
+        ranks' channels, or the ranks would not see the caller die while this child lives."""
+        self.closed = True
+        fds = [self.wake_r, self.wake_w]
+        for m in self.members.values():
+            fds += [m.channel.detach(), *m.out_fds]
+            if m.control is not None:
+                fds.append(m.control.detach())
+            if m.process.death_fd is not None:
+                fds.append(m.process.death_fd)
+        try:
+            fds.append(self.selector.fileno())  # type: ignore[attr-defined]
+        except (AttributeError, ValueError):
+            pass
+        self.members.clear()
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def take_sigint(on_sigint: Callable[[], None], call: interrupts.Interruptible) -> Callable[[], None]:
+    """While a call waits: SIGINT (the stop button) calls ``on_sigint`` (a flag and a wake,
+    never raising anywhere, so it never cuts a message in half). On another thread, the main
+    thread's handler reaches ``call`` through engine/interrupts.py. Returns what puts it back."""
+    if threading.current_thread() is not threading.main_thread():
+        interrupts.install()
+        interrupts.register(call)
+        return lambda: interrupts.unregister(call)
+    try:
+        old = signal.signal(signal.SIGINT, lambda signum, frame: on_sigint())
+    except ValueError:
+        return lambda: None
+
+    def restore() -> None:
+        signal.signal(signal.SIGINT, old)
+
+    return restore

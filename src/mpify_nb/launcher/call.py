@@ -1,0 +1,558 @@
+"""ranch(): run a function on N ranks, the caller playing one of them. Spawn, execute, terminate.
+
+A ranch call is the engine's (engine/core.py) short-lived use: one request, CALL, to each rank, and
+the ranks exit after it. Data flow of one call::
+
+    caller (notebook process)                                   rank r (r != caller_rank)
+    ------------------------                                    ---------------------------
+    pack_call(fn, args, ctx)  ── PayloadError here, before any rank exists
+    placer.reserve(world) ── where each rank lands: LOCAL_RANK, GROUP_RANK, MASTER_ADDR/PORT
+    engine.spawn(r) ─ placer.start(r) ──────────────────────> born (forked from template, spawned,
+                                                                 or forked on a Ray node: ray_ranks/)
+    send setup + CALL ───────── socketpair ─────────────────> load call    (rank/loop.py: rank.loop.serve)
+    wait for every READY  <──────────────────────────────────  READY
+    send GO to all ─────────────────────────────────────────> (no rendezvous before every rank loaded)
+    [caller enters ctx, runs fn:       (watch thread:           enters ctx, runs fn
+     launcher/own_rank.py]                       engine.pump)
+                                        <─── DONE / FAIL ─────  sends its answer, exits
+                                        <─── pidfd readable ─── (or dies: signal, segfault, OOM)
+    relay thread  <────────────── stdout/stderr pipes ───────  print(...)          (relay/pipes.py)
+    gather values; kill stragglers; placer.release(); restore env/cwd/CUDA/torch.distributed
+
+The first failure wins: it is the root cause (the others usually fail because a
+peer vanished). The watch thread then kills every rank at once; a caller blocked
+in a gloo collective gets an error within ~2 s, a caller blocked in the
+rendezvous is freed at once (the TCPStore lives in a spawned rank, not in the
+caller), and a caller running Python code is interrupted with a signal. The call
+then raises the root cause.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from ..engine import core, interrupts
+from ..relay.pipes import OutputRelay
+from ..start import placement, preload, template
+from ..torchdist import libraries
+from ..wire import framing, payload
+from ..wire.errors import PayloadError, RankError, RemoteFailure, safe_str
+from ..wire.protocol import CALL, DONE, FAIL, GO, IMPORTED, READY, pack
+from . import own_rank
+
+# Seconds a finished rank may take to exit after sending its value before it is killed.
+_EXIT_GRACE = 5.0
+#: The request id of a call's one request (CALL) to each of its ranks.
+_REQUEST = 1
+
+
+def ranch(
+    nprocs: int,
+    fn: Callable,
+    *args: Any,
+    caller_rank: Optional[int] = 0,
+    gather: bool = True,
+    ctx: Any = None,
+    need: str = "",
+    imports: str = "",
+    timeout: Optional[float] = None,
+    **kwargs: Any,
+) -> Any:
+    """Run ``fn(*args, **kwargs)`` on ``nprocs`` ranks and return the results.
+
+    The calling process plays rank ``caller_rank`` itself (``None``: all ranks are
+    new processes). Every other rank is a fresh process started for this call and
+    gone when it returns. ``fn`` may be defined in the notebook, use its globals,
+    classes and imported modules, be a lambda or a closure.
+
+    Args:
+        nprocs: number of ranks (the world size).
+        fn: the function to run on every rank.
+        caller_rank: the rank this process plays, or None.
+        gather: True: return the list of every rank's return value, by rank.
+            False: return only the caller's own value (None if it plays no rank).
+        ctx: a context manager entered around ``fn`` on every rank, e.g. ``in_torchddp()``.
+        need: names of ``__main__`` globals to define on every rank (mpify compatibility).
+        imports: import statements to run in every rank's ``__main__`` first (mpify compatibility);
+            on the caller's rank too, so the notebook keeps the names they import.
+        timeout: seconds for the whole call; past it every rank is stopped and
+            ``TimeoutError`` is raised.
+
+    In every rank ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+    ``MASTER_ADDR`` and ``MASTER_PORT`` (a free port, new for each call) are set.
+
+    Raises:
+        RankError: a rank raised (``RankRaisedError``, with its traceback) or died
+            (``RankExitedError``, with its exit code or signal).
+        PayloadError: ``fn``, an argument or ``ctx`` cannot be pickled (a TypeError).
+        TimeoutError, KeyboardInterrupt.
+
+    Example (a notebook cell)::
+
+        import torch
+        def square(x):
+            return torch.tensor(x) ** 2 + int(os.environ["RANK"])
+        ranch(3, square, 4)        # -> [tensor(16), tensor(17), tensor(18)]
+    """
+    _check_arguments(nprocs, fn, caller_rank, ctx, timeout)
+    _check_working_directory()
+    _check_capacity(nprocs - (caller_rank is not None))
+    prepare = getattr(ctx, "_mpify_prepare", None)
+    if prepare is not None:
+        prepare(nprocs, caller_rank)  # the ctx validates its options here, before anything starts
+    packed = payload.pack_call(fn, args, kwargs, ctx, need, imports)  # PayloadError: nothing started yet
+    values = _Call(nprocs, caller_rank, timeout, imports).run(packed, fn, args, kwargs, ctx)
+    if gather:
+        return values
+    return None if caller_rank is None else values[caller_rank]
+
+
+def _check_arguments(nprocs, fn, caller_rank, ctx, timeout) -> None:
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs must be a positive integer, not {nprocs!r}")
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, not {type(fn).__name__}")
+    if caller_rank is not None and (
+        isinstance(caller_rank, bool) or not isinstance(caller_rank, int) or not 0 <= caller_rank < nprocs
+    ):
+        raise ValueError(f"caller_rank must be None or an integer in [0, {nprocs}), not {caller_rank!r}")
+    if ctx is not None and not (hasattr(ctx, "__enter__") and hasattr(ctx, "__exit__")):
+        raise TypeError(
+            f"ctx must be a context manager (with __enter__ and __exit__), not {type(ctx).__name__}; "
+            "did you pass in_torchddp instead of in_torchddp()?"
+        )
+    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"timeout must be a positive number of seconds or None, not {timeout!r}")
+
+
+def _check_working_directory() -> None:
+    # Ranks start in the caller's working directory; a deleted one has no path to give them.
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            "ranch: this process's working directory no longer exists (deleted or unmounted), so "
+            "the ranks cannot start in it; os.chdir() to an existing directory and call again"
+        ) from None
+
+
+#: File descriptors the caller holds per started rank during a call: its channel end, the
+#: read ends of its stdout/stderr pipes, its pidfd; plus the one a fork request briefly passes.
+_FDS_PER_RANK = 5
+
+
+def _check_capacity(new_ranks: int) -> None:
+    """Fail at once, before starting anything, when this machine cannot hold the ranks asked for."""
+    import resource
+
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY:
+        try:
+            in_use = len(os.listdir("/proc/self/fd"))
+        except OSError:
+            in_use = 0
+        needed = new_ranks * _FDS_PER_RANK
+        if in_use + needed > soft:
+            raise OSError(
+                f"ranch: {new_ranks} new ranks need about {needed} file descriptors in this process, "
+                f"and only {max(0, soft - in_use)} of its limit of {soft} are free (ulimit -n); "
+                "ask for fewer ranks, or raise the limit with resource.setrlimit(resource.RLIMIT_NOFILE, ...)"
+            )
+    room = _process_room()
+    if room is not None and new_ranks > room:
+        raise OSError(f"ranch: {new_ranks} new ranks are more processes than this machine allows now "
+                      f"(room for about {room} more: pid_max, threads-max, the cgroup's pids.max)")
+
+
+def _process_room() -> Optional[int]:
+    """How many more processes can start here, by the tightest of the kernel's limits we can read."""
+    try:
+        running = sum(1 for entry in os.listdir("/proc") if entry.isdigit())
+    except OSError:
+        return None
+    rooms = []
+    for path in ("/proc/sys/kernel/pid_max", "/proc/sys/kernel/threads-max"):
+        try:
+            with open(path) as f:
+                rooms.append(int(f.read()) - running)
+        except (OSError, ValueError):
+            pass
+    try:
+        with open("/sys/fs/cgroup/pids.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/pids.current") as f:
+            current = int(f.read())
+        if limit != "max":
+            rooms.append(int(limit) - current)
+    except (OSError, ValueError):
+        pass
+    return min(rooms) if rooms else None
+
+
+class _Rank(core.Member):
+    """The caller's view of one rank of a call."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.ready = False  # it loaded the call
+        self.done = False  # sent its value or its error, or died
+        self.value: Any = None
+
+
+class _Call:
+    """One ranch call: start its ranks, GO, gather their answers; the first failure wins."""
+
+    def __init__(self, nprocs: int, caller_rank: Optional[int], timeout: Optional[float], imports: str = ""):
+        self.nprocs = nprocs
+        self.imports = imports
+        self.caller_rank = caller_rank
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.timeout = timeout
+        self.imported: list[tuple[str, Optional[str]]] = []  # modules the ranks imported (start/preload.py)
+        self.failure: Optional[BaseException] = None
+        # A rank's error held while a rank whose death is seen late (on another host) may have died
+        # first: the error may be its echo ("Connection closed by peer"). (error, held until when)
+        self.held: Optional[tuple[BaseException, float]] = None
+        self.cond = threading.Condition()
+        self.interrupted = False  # the user pressed stop (SIGINT)
+        self.aborting = False  # we are stopping the ranks: their deaths are no news
+        self.finished = False  # the caller's own rank is done; the watch may end
+        self.own = own_rank.OwnRank(self.cond)
+        self.engine = core.Engine(OutputRelay(sys.stdout, sys.stderr), pump_output=False)
+        self.engine.open_prompts()  # ranks' reads of stdin, asked of the user (on this thread)
+        self.engine.on(READY, self._on_ready)
+        self.engine.on(IMPORTED, self._on_imported)
+        self.engine.on(DONE, self._on_value)
+        self.engine.on(FAIL, self._on_error)
+        self.engine.on_death = self._on_death
+        self.engine.on_wake = self._on_wake
+        self.ranks: dict[int, _Rank] = self.engine.members
+
+    # -- the whole call ------------------------------------------------------------------
+
+    def run(self, packed: payload.PackedCall, fn, args, kwargs, ctx) -> list:
+        if self.caller_rank is not None and not own_rank.caller_rank_lock.acquire(blocking=False):
+            raise RuntimeError(
+                f"ranch: another call that plays a rank in this process is running (on thread "
+                f"{own_rank.caller_rank_owner!r}); two cannot share this process's os.environ, torch.distributed "
+                "group and streams. Wait for it to finish, or pass caller_rank=None: calls in which "
+                "every rank is a new process may run side by side."
+            )
+        if self.own.on_main_thread:
+            interrupts.install()
+        else:
+            interrupts.register(self)  # the stop button reaches us through the main thread
+        try:
+            return self._run(packed, fn, args, kwargs, ctx)
+        finally:
+            interrupts.unregister(self)
+            if self.caller_rank is not None:
+                own_rank.caller_rank_lock.release()
+
+    def _run(self, packed: payload.PackedCall, fn, args, kwargs, ctx) -> list:
+        if self.caller_rank is not None:
+            own_rank.caller_rank_owner = threading.current_thread().name
+        state = own_rank.CallerState.snapshot(self.caller_rank is not None)
+        relay = self.engine.relay
+        values: list = [None] * self.nprocs
+        watcher: Optional[threading.Thread] = None
+        placer = placement.get_placer()
+        try:
+            layout = placer.reserve(self.nprocs, self.caller_rank, self._time_left())
+            env = _world_env(layout, self.nprocs, self.caller_rank)
+            self._start_ranks(placer, layout, packed, env)
+            relay.start()
+            self._watch(until=lambda: all(r.ready or r.done for r in self.ranks.values()))
+            if self.failure is None and not self.interrupted:
+                for handle in self.ranks.values():
+                    self.engine.send(handle, GO, _REQUEST)  # one that just died: the watch reports how
+                if self.caller_rank is None:
+                    self._watch(until=self._all_done)
+                else:
+                    watcher = threading.Thread(target=self._watch, args=(self._all_done,),
+                                               name="mpify_nb-watch", daemon=True)
+                    watcher.start()
+                    try:
+                        own_env = dict(env, **layout.env_of(self.caller_rank))
+                        values[self.caller_rank] = self._run_own_rank(fn, args, kwargs, ctx, own_env)
+                    finally:
+                        self.finished = True
+                        self.engine.wake()
+                        watcher.join()
+            self._drain()
+            self._raise_failure()
+            for r in self.ranks.values():
+                values[r.rank] = r.value
+            return values
+        except KeyboardInterrupt:
+            self.interrupted = True
+            raise
+        finally:
+            self.finished = True
+            self.engine.close_prompts()  # the ranks are done or stopped: no one reads the answers
+            self._stop_all()
+            for handle in self.ranks.values():
+                self.engine.bury(handle)
+            placer.release()
+            packed.close_later()
+            relay.close()
+            with self.cond:
+                self.engine.close()
+            state.restore()
+            state.disarm_ended_ddp(values)
+            _learn_imports(bool(self.ranks), self.imported)
+
+    # -- starting ranks ------------------------------------------------------------------
+
+    def _start_ranks(self, placer: placement.Placer, layout: placement.Layout, packed: payload.PackedCall,
+                     env: dict) -> None:
+        base = dict(os.environ) if placer.ships_environ else {}
+        base.update(env)
+        common = {"cwd": os.getcwd(), "sys_path": list(sys.path), "argv": list(sys.argv)}
+        for r in range(self.nprocs):
+            if r == self.caller_rank:
+                continue
+            try:
+                self.engine.spawn(placer, r, self._time_left(), member=_Rank)
+            except TimeoutError as e:
+                raise TimeoutError(f"ranch: the call did not finish within {self.timeout:g} s: {e}") from None
+        # The setup and the call right after the fork: a rank loads while the next one is born.
+        call = pack(CALL, _REQUEST, packed.data)
+        for r, handle in self.ranks.items():
+            rank_env = dict(base, **layout.env_of(r))
+            setup = pickle.dumps(dict(common, rank=r, env=rank_env))
+            try:
+                framing.send(handle.channel, setup)
+                framing.send(handle.channel, call, packed.fds)
+            except OSError:
+                pass  # it died at birth; the watch reports how
+
+    def _time_left(self) -> Optional[float]:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    # -- watching ranks ------------------------------------------------------------------
+
+    def _all_done(self) -> bool:
+        return all(r.done for r in self.ranks.values()) and (self.caller_rank is None or self.finished)
+
+    def _watch(self, until: Callable[[], bool]) -> None:
+        """Handle rank events until ``until()`` holds or a failure was recorded."""
+        while self.failure is None and not self.interrupted:
+            if self.held is not None:
+                if time.monotonic() >= self.held[1]:
+                    break
+            elif until():
+                break
+            wait = self.engine.time_left(self.deadline)  # time a rank waits for the user is not the call's
+            if wait is not None and wait <= 0:
+                running = sorted(r.rank for r in self.ranks.values() if not r.done)
+                if self.caller_rank is not None and not self.finished:
+                    running = sorted(running + [self.caller_rank])
+                self._fail(TimeoutError(
+                    f"ranch: the call did not finish within {self.timeout:g} s "
+                    f"(ranks still running: {running}); every rank was stopped"))
+                return
+            if self.held is not None:
+                left = max(0.0, self.held[1] - time.monotonic())
+                wait = left if wait is None else min(wait, left)
+            self.engine.pump(wait)
+        self._release_held()  # a death noticed meanwhile is recorded already: the error joins it
+
+    def _release_held(self) -> None:
+        if self.held is not None:
+            error, self.held = self.held[0], None
+            self._fail(error)
+
+    def _on_wake(self, data: bytes) -> None:
+        for signum in data:
+            if signum == signal.SIGINT and not self.own.is_our_signal():
+                # The user interrupted: stop every rank so the main thread can return.
+                with self.cond:
+                    self.interrupted = True
+                    self.cond.notify_all()
+                self.engine.kill_all()
+
+    def _on_ready(self, handle: _Rank, req: int, body: Any, fds: list) -> None:
+        handle.ready = True
+
+    def _on_imported(self, handle: _Rank, req: int, body: Any, fds: list) -> None:
+        try:
+            self.imported.extend(pickle.loads(body))
+        except Exception:
+            pass
+
+    def _on_value(self, handle: _Rank, req: int, body: Any, fds: list) -> None:
+        handle.done = True
+        try:
+            handle.value = payload.unpack_result(body, fds)
+        except Exception as e:
+            self._fail(RankError(handle.rank, f"the value returned by rank {handle.rank} could not be "
+                                              f"unpickled here: {type(e).__name__}: {safe_str(e)}"))
+
+    def _on_error(self, handle: _Rank, req: int, body: Any, fds: list) -> None:
+        handle.done = True
+        payload.close_fds(fds)
+        failure: RemoteFailure = pickle.loads(body)[0]
+        error = failure.to_error(handle.rank, payload.loads)
+        if not handle.process.shares_clock:
+            error.when = time.monotonic()  # another host's clock: order by when we heard
+        # A rank whose death we see only through its link (on another host) may have died before
+        # this error was raised, and caused it: wait that long for the news before choosing the root cause.
+        patience = max((r.process.death_latency for r in self.ranks.values() if not r.done), default=0.0)
+        if patience > 0 and self.failure is None and self.held is None:
+            self.held = (error, time.monotonic() + patience)
+            return
+        self._fail(error)
+
+    def _on_death(self, handle: _Rank) -> None:
+        noticed = time.monotonic()
+        self.engine.unregister(handle.process.death_fd)
+        self._read_sent(handle)  # it may have answered just before dying
+        if handle.done:
+            return
+        handle.done = True
+        if not self.aborting:  # not one of the ranks we killed ourselves
+            self._fail(self.engine.death_error(handle, noticed))
+
+    def _fail(self, error: BaseException) -> None:
+        """Record a failure. The first one stops the call; of several rank failures the
+        earliest (by the machine-wide monotonic clock) is the root cause, the others
+        (usually peers that lost it) go to its ``.others``."""
+        with self.cond:
+            first = self.failure is None
+            if first:
+                self.failure = error
+            elif isinstance(self.failure, RankError) and isinstance(error, RankError):
+                if error.when < self.failure.when:
+                    error.others = [self.failure, *self.failure.others]
+                    self.failure.others = []
+                    self.failure = error
+                else:
+                    self.failure.others.append(error)
+            self.cond.notify_all()
+        if first:
+            self.engine.kill_all()
+            self.own.abort()
+
+    def _drain(self) -> None:
+        """After the ranks ran (or were stopped): read the answers already sent. An error a
+        rank sent before a peer's echo of it must not be lost."""
+        self._release_held()
+        self.aborting = self.failure is not None or self.interrupted
+        for handle in self.ranks.values():
+            self._read_sent(handle)
+        self._release_held()
+
+    def _read_sent(self, handle: _Rank) -> None:
+        """Handle the answers ``handle`` has already sent, without waiting for more."""
+        self.engine.read_sent(handle, lambda: not handle.done, (READY, IMPORTED, DONE, FAIL))
+
+    # -- the caller's own rank -----------------------------------------------------------
+
+    def _run_own_rank(self, fn, args, kwargs, ctx, env) -> Any:
+        """Run the caller's rank on this thread. A failure is recorded, not raised:
+        run() raises the root cause once it has heard from every rank."""
+        rank = self.caller_rank
+        assert rank is not None
+        with self.own.running(env, self.engine.wake_w):
+            try:
+                with self.own.user_code():
+                    if self.imports:
+                        # As on every other rank, in __main__: the notebook keeps these names (as with mpify).
+                        exec(compile(self.imports, "<imports>", "exec"), sys.modules["__main__"].__dict__)
+                    with libraries.launched_externally():
+                        if ctx is None:
+                            return fn(*args, **kwargs)
+                        with ctx:
+                            return fn(*args, **kwargs)
+            except own_rank.Aborted:
+                return None  # another rank failed first; run() reports it
+            except KeyboardInterrupt:
+                if self.failure is not None and not self.interrupted:
+                    return None  # our own SIGINT, landed after the user code: same as Aborted
+                self.interrupted = True
+                self.engine.kill_all()
+                raise
+            except BaseException as e:
+                # Is this the echo of a peer's failure (e.g. "Connection closed by peer")?
+                # Then the peer's own report is on its way: give it a moment.
+                if self.failure is None:
+                    # A rank on another host is seen to die only once its link says so: wait that long.
+                    running = [r for r in self.ranks.values() if not r.done]
+                    patience = 2.0 if self.engine.stirred(running) else max(
+                        (r.process.death_latency for r in running), default=0.0)
+                    with self.cond:
+                        self.cond.wait_for(lambda: self.failure is not None or self.interrupted, timeout=patience)
+                failure = RemoteFailure.capture(e, lambda exc: None).to_error(rank, payload.loads)
+                failure.__cause__ = e
+                self._fail(failure)
+                return None
+
+    def interrupt_from_signal(self) -> None:
+        """The user pressed stop while this call runs on a thread other than the main one
+        (called by engine/interrupts.py on the main thread): stop it as the main thread's SIGINT would."""
+        with self.cond:
+            if self.engine.closed:
+                return
+            try:
+                os.write(self.engine.wake_w, bytes([signal.SIGINT]))  # the watch stops every rank
+            except OSError:
+                pass
+            self.own.interrupt()  # the caller's rank runs on our thread
+
+    # -- ending --------------------------------------------------------------------------
+
+    def _raise_failure(self) -> None:
+        if self.interrupted:
+            raise KeyboardInterrupt
+        if self.failure is not None:
+            raise self.failure
+
+    def _stop_all(self) -> None:
+        """Finished ranks get a moment to exit on their own; everything else is killed now."""
+        failed = self.failure is not None or self.interrupted
+        deadline = time.monotonic() + (0 if failed else _EXIT_GRACE)
+        for handle in self.ranks.values():
+            if failed or not handle.done:
+                handle.process.kill()
+            else:
+                remaining = max(0.0, deadline - time.monotonic())
+                if handle.process.exit_code(remaining) is None:
+                    handle.process.kill()
+
+
+def _world_env(layout: placement.Layout, nprocs: int, caller_rank: Optional[int]) -> dict:
+    """The variables every rank gets alike; layout.env_of(rank) adds each one's own."""
+    store_rank = next((r for r in range(nprocs) if r != caller_rank), 0)
+    # The rendezvous store lives in a spawned rank: killing the ranks then
+    # frees a caller blocked in the rendezvous (see ddp.py).
+    return dict(layout.world_env(nprocs), MPIFY_NB_STORE_RANK=str(store_rank))
+
+
+def _learn_imports(started: bool, imported: list) -> None:
+    """Let the template come to hold what the ranks imported (in the background; see start/preload.py)."""
+    if not started or placement.get_start_method() != "template":
+        return
+    try:
+        cwd = os.getcwd()
+    except OSError:
+        return
+    template.in_background(_learn, imported, cwd)
+
+
+def _learn(imported: list, cwd: str) -> None:
+    """In the background: the call has returned, and this never makes it wait."""
+    try:
+        preload.learn(imported, cwd)
+        template.refresh(cwd)
+    except Exception:
+        pass  # only a speed-up is lost
+
+
+__all__ = ["ranch", "PayloadError", "RankError"]

@@ -1,0 +1,244 @@
+"""The caller's own rank: a ranch call's rank that runs on the calling thread, stopped from
+the engine's loop, and what it changes in this process (put back after the call).
+
+The loop (on another thread, or the caller's own between its steps) stops this rank when
+another rank failed first: with SIGINT to the main thread, through a handler that turns it
+into :class:`Aborted` inside the user's code only, or an asynchronous exception into the
+calling thread when that is not the main one. The stop button reaches it the same ways.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Callable, Optional
+
+from ..engine import interrupts
+from ..torchdist import groups, libraries
+
+
+class Aborted(BaseException):
+    """Raised in the caller's own rank when another rank failed: stop and report that instead."""
+
+
+#: Held by the one call that plays a rank in this process (it owns os.environ & co meanwhile).
+caller_rank_lock = threading.Lock()
+caller_rank_owner = ""
+
+
+def set_async_exception(thread_id: int, exc_type: Optional[type]) -> None:
+    """Raise ``exc_type`` in another thread at its next bytecode (None: cancel a pending one)."""
+    import ctypes
+
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(thread_id), ctypes.py_object(exc_type) if exc_type else ctypes.c_void_p(None))
+
+
+#: Own ranks whose SIGINT handler is installed, for the fork handler below.
+_taking_sigint: weakref.WeakSet[OwnRank] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A fork of the caller during a call (DataLoader workers on rank 0) inherits our SIGINT
+    handler and wakeup fd, and maybe our lock held by the watch thread. The child is not
+    the caller: give it Python's defaults back, so an interrupt there is its own business."""
+    for own in list(_taking_sigint):
+        own.cond = threading.Condition()
+        try:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        except ValueError:
+            pass  # forked from another thread than the main one: nothing of ours was there
+    _taking_sigint.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class OwnRank:
+    """The caller's rank of one call, run on the calling thread."""
+
+    def __init__(self, cond: threading.Condition) -> None:
+        self.cond = cond  # the call's: guards in_user_code
+        self.in_user_code = False
+        self.signals_sent = 0  # SIGINTs we sent ourselves to the main thread
+        self.abort_signal_pending = False
+        self.main_thread: int = threading.main_thread().ident or 0
+        self.on_main_thread = threading.current_thread() is threading.main_thread()
+        self.thread_id = threading.get_ident()
+
+    @contextlib.contextmanager
+    def running(self, env: dict, wake_fd: int) -> Iterator[None]:
+        """This thread plays the rank (``env`` its variables): SIGINT is routed through us,
+        the loop learns of it at once through ``wake_fd``."""
+        os.environ.update(env)
+        libraries.apply_thread_env(env)  # a torchrun rank starts with these threads
+        restore_signals = self._take_sigint(wake_fd) if self.on_main_thread else None
+        try:
+            yield
+        finally:
+            if restore_signals is not None:
+                restore_signals()
+            if not self.on_main_thread:
+                set_async_exception(self.thread_id, None)  # one that came too late to matter
+
+    @contextlib.contextmanager
+    def user_code(self) -> Iterator[None]:
+        """While the user's code runs: the only time an abort may be raised into it."""
+        with self.cond:
+            self.in_user_code = True
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.in_user_code = False
+
+    def abort(self) -> None:
+        """Make the thread running the caller's rank stop and report (another rank failed)."""
+        if not self.on_main_thread:
+            with self.cond:
+                if self.in_user_code:
+                    set_async_exception(self.thread_id, Aborted)  # at its next bytecode
+            return
+        with self.cond:
+            if not self.in_user_code:
+                return
+            self.abort_signal_pending = True
+            self.signals_sent += 1
+        signal.pthread_kill(self.main_thread, signal.SIGINT)
+
+    def interrupt(self) -> None:
+        """The stop button, from the main thread, for a rank running on another one (the cond held)."""
+        if self.in_user_code:
+            # KeyboardInterrupt at its next bytecode (a C call it is blocked in ends first: a
+            # collective does so as soon as the peers are killed).
+            set_async_exception(self.thread_id, KeyboardInterrupt)
+
+    def is_our_signal(self) -> bool:
+        """A SIGINT read from the wake pipe: one we sent ourselves (abort)?"""
+        if self.signals_sent:
+            self.signals_sent -= 1
+            return True
+        return False
+
+    def _take_sigint(self, wake_fd: int) -> Callable[[], None]:
+        """Route SIGINT through us while the caller's rank runs: the loop learns of it at
+        once through the wakeup fd, even when the main thread is stuck in C++."""
+
+        def on_sigint(signum, frame):
+            with self.cond:
+                ours = self.abort_signal_pending
+                self.abort_signal_pending = False
+                inside = self.in_user_code
+            if ours:
+                if inside:
+                    raise Aborted()
+                return
+            interrupts.interrupt_other_threads()  # one press stops every call
+            raise KeyboardInterrupt
+
+        old_handler = signal.signal(signal.SIGINT, on_sigint)
+        old_wakeup = signal.set_wakeup_fd(wake_fd, warn_on_full_buffer=False)
+        _taking_sigint.add(self)
+
+        def restore() -> None:
+            _taking_sigint.discard(self)
+            signal.set_wakeup_fd(old_wakeup, warn_on_full_buffer=False)
+            signal.signal(signal.SIGINT, old_handler)
+
+        return restore
+
+
+class CallerState:
+    """What a call may change in the calling process, and puts back. Only a call in which the
+    caller plays a rank changes anything (it runs the user's function here)."""
+
+    def __init__(self) -> None:
+        self.environ: Optional[dict[str, str]] = None  # None: nothing to put back
+        self.cwd: Optional[str] = None
+        self.cuda_device: Optional[int] = None
+        self.dist_was_up = False
+        self.group_count: Optional[int] = None
+        self.libraries: Optional[libraries.LibraryState] = None
+
+    @classmethod
+    def snapshot(cls, caller_plays_a_rank: bool = True) -> CallerState:
+        self = cls()
+        if not caller_plays_a_rank:
+            return self
+        self.environ = dict(os.environ)
+        try:
+            self.cwd = os.getcwd()
+        except OSError:
+            self.cwd = None
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            try:
+                if torch.cuda.is_initialized():
+                    self.cuda_device = torch.cuda.current_device()
+            except Exception:
+                pass
+            try:
+                self.dist_was_up = torch.distributed.is_available() and torch.distributed.is_initialized()
+            except Exception:
+                pass
+        self.group_count = groups.group_count() if torch is not None else None
+        self.libraries = libraries.LibraryState.snapshot()
+        return self
+
+    def disarm_ended_ddp(self, values: list) -> None:
+        """A DDP or FSDP model, DTensor or DeviceMesh made on the group this call ended, left in the
+        notebook (a %%ranch --ddp cell's variable, or the caller's return value), must say so when
+        used (see torchdist/groups.py)."""
+        if self.environ is None or self.dist_was_up:
+            return
+        torch = sys.modules.get("torch")
+        try:
+            if torch is None or torch.distributed.is_initialized():
+                return  # the function left a group up: its models still work
+            main = sys.modules.get("__main__")
+            groups.disarm_ended_ddp([values, *(vars(main).values() if main is not None else ())])
+        except Exception:
+            pass  # only a clearer error is lost
+
+    def restore(self) -> None:
+        if self.environ is None:
+            return
+        torch = sys.modules.get("torch")
+        try:
+            if self.libraries is not None:
+                self.libraries.restore()  # before the group goes: nothing of it is left to use it
+        except Exception:
+            pass
+        if torch is not None:
+            try:
+                dist = torch.distributed
+                if not self.dist_was_up and dist.is_available():
+                    if dist.is_initialized():
+                        dist.destroy_process_group()  # the function left its group up
+                    if self.group_count is not None:
+                        groups.set_group_count(self.group_count)  # e.g. after a failed rendezvous
+            except Exception:
+                pass
+            if self.cuda_device is not None:
+                try:
+                    torch.cuda.set_device(self.cuda_device)
+                except Exception:
+                    pass
+        if os.environ != self.environ:
+            for key in [k for k in os.environ if k not in self.environ]:
+                del os.environ[key]
+            for key, value in self.environ.items():
+                if os.environ.get(key) != value:
+                    os.environ[key] = value
+        if self.cwd is not None:
+            try:
+                if os.getcwd() != self.cwd:
+                    os.chdir(self.cwd)
+            except OSError:
+                os.chdir(self.cwd)

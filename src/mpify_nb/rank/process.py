@@ -1,0 +1,125 @@
+"""This process and those it starts: its name, the orphans it adopts, killing what it started, leaving.
+
+What every process of ours does for itself, whatever it is: a rank of a ``ranch`` call
+(rank/loop.py), a persistent rank of a Session (rank/session.py), the template they are forked
+from (start/template.py). Linux only: ``prctl`` and ``/proc``.
+
+* ``set_process_name``: the name ps and top show (``mpify_nb-rank1``, ``mpify_nb-tmpl``);
+* ``become_subreaper``: orphans below this process are re-parented to it, not to init, so
+  ``kill_descendants`` finds everything it started, at any depth;
+* ``die_with_parent``: Linux kills this process when its parent dies;
+* ``end``: flush stdout/stderr, kill every descendant, ``os._exit``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import time
+from collections.abc import Collection
+from typing import NoReturn, Optional
+
+
+def become_subreaper() -> None:
+    """Orphans below this process are re-parented to it, not to init (PR_SET_CHILD_SUBREAPER)."""
+    _prctl(36, 1)
+
+
+def children_of(pid: int) -> list[int]:
+    """The live children of ``pid`` (zombies excluded: they hold nothing)."""
+    kids: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return kids
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                kids.extend(int(k) for k in f.read().split())
+        except OSError:
+            continue
+    return [k for k in kids if _state(k) not in (b"Z", b"X", None)]
+
+
+def _state(pid: int) -> Optional[bytes]:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rfind(b")") + 2:].split(b" ", 1)[0]
+
+
+def kill_descendants(pid: Optional[int] = None, spare: Collection[int] = (), reap: bool = True) -> list[int]:
+    """SIGKILL every live process below ``pid`` (default: this one), at any depth, except
+    the subtrees rooted at ``spare``; return the pids killed. Looks again until nothing is
+    left, since a process may fork while we look. ``reap``: also reap this process's
+    zombie children (only where no one else waits for them: a rank about to exit)."""
+    root = os.getpid() if pid is None else pid
+    killed: list[int] = []
+    for _ in range(50):
+        found, stack = [], [k for k in children_of(root) if k not in spare]
+        while stack:
+            p = stack.pop()
+            found.append(p)
+            stack.extend(children_of(p))
+        if not found:
+            break
+        for p in found:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        killed.extend(p for p in found if p not in killed)
+        time.sleep(0.001)  # let the kills land before looking again
+    if reap:
+        _reap_orphans()
+    return killed
+
+
+def _reap_orphans() -> None:
+    # Killed descendants re-parented to us (we are a subreaper) are our zombies now.
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _prctl(option: int, arg) -> bool:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(option, arg) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def die_with_parent(expected_parent: int) -> None:
+    """Ask Linux to SIGKILL us when our parent (caller or template) dies; leave at once if it
+    already has (it is no longer ``expected_parent``)."""
+    if _prctl(1, signal.SIGKILL) and os.getppid() != expected_parent:  # PR_SET_PDEATHSIG
+        os._exit(1)  # it died before prctl took effect
+
+
+def set_process_name(name: str) -> None:
+    """Name this process in ps/top (comm, 15 bytes), so ranks are easy to tell apart."""
+    _prctl(15, ctypes.c_char_p(name.encode()[:15]))  # PR_SET_NAME
+
+
+def flush_stdio() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+
+
+def end(code: int) -> NoReturn:
+    """Leave now with ``code``: what was printed reaches the caller, and nothing this process
+    started outlives it."""
+    flush_stdio()
+    kill_descendants()
+    os._exit(code)

@@ -1,7 +1,0 @@
-"""The matplotlib backend of a Session's ranks: Agg drawing, figures shown in the cell (rank_display.py)."""
-
-from matplotlib.backends.backend_agg import FigureCanvasAgg as FigureCanvas
-
-from .rank_display import show
-
-__all__ = ["FigureCanvas", "show"]

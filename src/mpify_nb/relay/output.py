@@ -1,0 +1,331 @@
+"""What a rank's bytes become in the cell: labelled lines, live bars, growing partial lines, a view's feed.
+
+The relay (relay/pipes.py) reads each rank's pipes and hands their bytes here, per fd, with the
+rank and stream (``where``) they belong to::
+
+    bytes of (rank, stream) ── RankOutput._emit ──> whole lines ──> _write: "[rank k] ..." on the
+         │                                      │                  caller's stream (LineTracker)
+         │                                      └── "...\\r" lines ──> a Bar: one live line (_show_bar)
+         ├── a partial line, waited _PARTIAL_WAIT ──> _write_partial: a growing display line (Jupyter)
+         │                                            or the stream, continued by its end
+         └── a per-rank view (retarget's sink) ──> ViewFeed: raw text by rank, no labels
+
+The cutting and drawing themselves (split_lines, Bar, LineTracker, ViewFeed) are relay/lines.py's.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Optional, TextIO
+
+from .lines import Bar, LineTracker, ViewFeed, notebook_display, split_lines, whole_characters
+
+_CHUNK = 1 << 16
+_MID_LINE_WAIT = 0.5
+_PARTIAL_WAIT = 0.1  # how long a partial line waits for its end before it is shown
+#: A partial line (or a bar's state) this long is shown at once: what waits for its end stays
+#: bounded, so relaying costs time linear in the output's size, however long a line is.
+_LONG_LINE = _CHUNK
+
+
+def _underlying(stream: TextIO) -> TextIO:
+    return stream._stream if isinstance(stream, LineTracker) else stream
+
+
+class RankOutput:
+    """The ranks' output state for the cell running now, by fd: pending bytes, bars, growing
+    lines, which rank's line is open. The relay (relay/pipes.py) feeds it; its callers hold its lock."""
+
+    def __init__(self, stdout: TextIO, stderr: TextIO):
+        # Another call's tracker is not a target: it may be gone before we are done.
+        stdout, stderr = _underlying(stdout), _underlying(stderr)
+        self._targets = (stdout, stderr)
+        self._cond = threading.Condition()
+        self._trackers = (LineTracker(stdout, self._cond), LineTracker(stderr, self._cond))
+        self._pending: dict[int, bytes] = {}
+        self._partial_since: dict[int, float] = {}  # fd -> when its pending partial line began
+        self._where: dict[int, tuple[int, int]] = {}  # fd -> (rank, stream)
+        self._bars: dict[int, Bar] = {}  # fd -> the bar line it is drawing now
+        self._display = notebook_display(stdout)  # None: a terminal or a file, bars as text lines
+        self._open_line: list[Optional[int]] = [None, None]  # per stream: the fd whose line is open
+        #: fd -> its partial line shown before its end, in Jupyter: a live display line of its own
+        self._growing: dict[int, Bar] = {}
+        #: where a call's output goes instead of the streams: sink(rank, "stdout"|"stderr", text),
+        #: raw (a per-rank view: no labels, no line assembly; see magics/views.py)
+        self._sink: Optional[ViewFeed] = None
+        self._lock = threading.Lock()
+
+    def retarget(self, stdout: TextIO, stderr: TextIO,
+                 sink: Optional[Callable[[int, str, str], None]] = None) -> None:
+        """Write to these streams from now on (the cell that runs now); or, with ``sink``, give
+        each rank's output to ``sink(rank, "stdout" | "stderr", text)`` as it comes, raw, until
+        :meth:`end_call` (a per-rank view)."""
+        stdout, stderr = _underlying(stdout), _underlying(stderr)
+        with self._lock:
+            self._sink = ViewFeed(sink) if sink is not None else None
+            self._targets = (stdout, stderr)
+            self._trackers = (LineTracker(stdout, self._cond), LineTracker(stderr, self._cond))
+            self._display = notebook_display(stdout)
+
+    def _emit(self, fd: int, where: tuple[int, int], chunk: bytes) -> None:
+        if self._sink is not None:
+            # Whole lines go at once; a partial one waits _PARTIAL_WAIT for its end, as in lines
+            # (so input()'s prompt, taken before it is shown, is the frontend's, not the view's).
+            cut = max(chunk.rfind(b"\n"), chunk.rfind(b"\r")) + 1
+            if cut:
+                whole, tail = self._pending[fd] + chunk[:cut], chunk[cut:]
+                self._to_sink(fd, where, whole)  # it ends with a line end: whole characters
+                self._pending[fd] = tail
+            else:
+                self._pending[fd] += chunk
+            if not self._pending[fd]:
+                self._partial_since.pop(fd, None)
+            elif len(self._pending[fd]) > _LONG_LINE:
+                self._to_sink(fd, where, self._pending[fd])
+            elif cut or fd not in self._partial_since:
+                self._partial_since[fd] = time.monotonic()
+            return
+        # What is pending holds no line end, so only the new chunk is searched for one.
+        cut = max(chunk.rfind(b"\n"), chunk.rfind(b"\r")) + 1
+        if cut:
+            whole, self._pending[fd] = self._pending[fd] + chunk[:cut], chunk[cut:]
+            self._lines(fd, where, whole)
+        else:
+            self._pending[fd] += chunk  # bounded by _LONG_LINE + _CHUNK: see below
+        bar = self._bars.get(fd)
+        if bar is not None and len(self._pending[fd]) > _LONG_LINE:
+            self._end_bar(fd, where)  # no bar has a state that long: it is a line after all
+            bar = None
+        if bar is not None:
+            # A bar's text comes after its \r (tqdm writes "\r" + bar): what is here is its state now.
+            self._partial_since.pop(fd, None)
+            shown = whole_characters(self._pending[fd])
+            if shown.strip():
+                bar.text = shown.decode("utf-8", errors="replace")
+            self._show_bar(fd, where, bar)
+        elif not self._pending[fd]:
+            self._partial_since.pop(fd, None)
+        elif len(self._pending[fd]) > _LONG_LINE:
+            self._show_partial(fd, where)  # it would only grow while it waits for its end
+        elif cut or fd not in self._partial_since:
+            self._partial_since[fd] = time.monotonic()
+
+    def _lines(self, fd: int, where: tuple[int, int], data: bytes) -> None:
+        """Whole lines from ``fd``: plain ones are written out labelled; a line with a carriage
+        return in it (a progress bar) becomes a live bar line (see Bar) until its newline."""
+        plain: list[bytes] = []
+        lines, _tail = split_lines(data)  # data ends with a line end: no tail
+        growing = self._growing.get(fd)
+        if growing is not None and lines:
+            if not lines[0].endswith(b"\r"):  # its end: the line is whole, where it was shown
+                growing.text += lines.pop(0).rstrip(b"\r\n").decode("utf-8", errors="replace")
+            self._end_growing(fd, where)  # (before a bar's first redraw: it ends where it is)
+        for line in lines:
+            is_bar_step = line.endswith(b"\r")
+            bar = self._bars.get(fd)
+            if bar is None and not is_bar_step:
+                plain.append(line)
+                continue
+            if plain:
+                self._write(fd, where, b"".join(plain))
+                plain = []
+            if bar is None:
+                bar = self._start_bar(fd, where)
+            body = line.rstrip(b"\r\n").decode("utf-8", errors="replace")
+            if body.strip():
+                bar.text = body
+            elif not is_bar_step or body:
+                bar.text = ""  # cleared (tqdm leave=False): nothing left to show
+            if not is_bar_step:  # its newline: the line is done, its last state stays
+                self._end_bar(fd, where)
+        if plain:
+            self._write(fd, where, b"".join(plain))
+
+    # -- progress bars: a rank's carriage-return line, shown as one live line ------------------
+
+    def _start_bar(self, fd: int, where: tuple[int, int]) -> Bar:
+        stream = where[1]
+        self._end_growing(fd, where)
+        if self._open_line[stream] == fd and self._trackers[stream].rank_line_open:
+            self._write(fd, where, b"\n")  # its partial line, shown already, ends where it is
+        bar = self._bars[fd] = Bar(time.monotonic())
+        return bar
+
+    def _show_bar(self, fd: int, where: tuple[int, int], bar: Bar, final: bool = False) -> None:
+        """Show the bar's state if it changed, at most every ``BAR_INTERVAL`` (Jupyter) or
+        ``BAR_TEXT_INTERVAL`` (text: a new labelled line each time) seconds; always its final state."""
+        if bar.text == bar.shown:
+            return
+        now = time.monotonic()
+        if not final and now < bar.due(self._display is not None):
+            return
+        label = f"[rank {where[0]}] "
+        if self._display is None:
+            if bar.text:
+                self._write(fd, where, (bar.text + "\n").encode())
+        else:
+            if bar.handle is None and not bar.text:
+                return  # a bare "\r", or a bar cleared before it was shown: no empty line
+            # (what the ranks wrote before the bar stays above it)
+            bar.draw(self._display, {"text/plain": label + bar.text}, self._flush_targets)
+        bar.shown = bar.text
+        bar.last_shown = now
+
+    def _end_bar(self, fd: int, where: tuple[int, int]) -> None:
+        bar = self._bars.pop(fd, None)
+        if bar is not None:
+            self._show_bar(fd, where, bar, final=True)
+
+    def _flush_targets(self) -> None:
+        for target in self._targets:
+            try:
+                target.flush()
+            except Exception:
+                pass
+
+    def _partial_wait(self) -> Optional[float]:
+        """Seconds until the oldest pending partial line, or a bar's new state, is due to be
+        shown (None: none)."""
+        due = [since + _PARTIAL_WAIT for since in self._partial_since.values()]
+        due += self._sink.due() if self._sink is not None else []
+        jupyter = self._display is not None
+        due += [bar.due(jupyter) for bar in self._bars.values() if bar.text != bar.shown]
+        if not due:
+            return None
+        return max(0.0, min(due) - time.monotonic())
+
+    def _show_partial(self, fd: int, where: tuple[int, int]) -> None:
+        """Write out ``fd``'s pending partial line (its whole characters) now."""
+        buf = self._pending.get(fd, b"")
+        if self._sink is not None:
+            self._to_sink(fd, where, buf)
+            return
+        shown = whole_characters(buf)
+        if not shown:
+            return
+        self._pending[fd] = buf[len(shown):]
+        self._partial_since.pop(fd, None)
+        self._write_partial(fd, where, shown)
+
+    def _write_partial(self, fd: int, where: tuple[int, int], shown: bytes) -> None:
+        """A partial line's part, shown before its end. In Jupyter it grows a live display line
+        of its rank's own (update_display_data), so two ranks' partial lines each grow on their
+        own line; its end finishes it there (the display keeps it). Elsewhere it is written to
+        the stream, and another rank's writing ends it (a new labelled line continues it)."""
+        line = self._growing.get(fd)
+        if self._display is None or len(shown) + (len(line.text) if line is not None else 0) > _LONG_LINE:
+            self._end_growing(fd, where)  # redrawing a line this long would cost its length each time
+            self._write(fd, where, shown)
+            return
+        if line is None:
+            line = self._growing[fd] = Bar(time.monotonic())
+        line.text += shown.decode("utf-8", errors="replace")
+        self._show_line(where, line)
+
+    def _show_line(self, where: tuple[int, int], line: Bar) -> None:
+        if line.text == line.shown or self._display is None:
+            return
+        line.draw(self._display, {"text/plain": f"[rank {where[0]}] {line.text}"}, self._flush_targets)
+        line.shown = line.text
+
+    def _end_growing(self, fd: int, where: tuple[int, int]) -> None:
+        line = self._growing.pop(fd, None)
+        if line is not None:
+            self._show_line(where, line)
+
+    def _to_sink(self, fd: int, where: tuple[int, int], data: bytes) -> None:
+        """A per-rank view: ``data`` goes as it is to its rank's place (whole characters)."""
+        shown = whole_characters(data)
+        self._pending[fd] = data[len(shown):]
+        self._partial_since.pop(fd, None)
+        if shown and self._sink is not None:
+            self._sink.add(fd, where, shown.decode("utf-8", errors="replace"))
+
+    def _end_of(self, fd: int, where: tuple[int, int]) -> None:
+        """``fd`` reached its end: write out what it left (a partial line, a bar's last state)."""
+        rest = self._pending.pop(fd, b"")
+        self._partial_since.pop(fd, None)
+        self._where.pop(fd, None)
+        if self._sink is not None:
+            if rest:
+                self._to_sink(fd, where, rest)
+                self._pending.pop(fd, None)
+                rest = b""
+            self._sink.give(fd)
+        if fd in self._bars:  # the rank ended on a bar line: its last state is its final one
+            if rest.strip():
+                self._bars[fd].text = rest.decode("utf-8", errors="replace")
+            self._end_bar(fd, where)
+            rest = b""
+        if fd in self._growing:
+            self._growing[fd].text += rest.decode("utf-8", errors="replace")
+            self._end_growing(fd, where)
+            rest = b""
+        if rest or self._open_line[where[1]] == fd:
+            self._write(fd, where, rest + b"\n")
+
+    # -- the end of a call, a prompt ------------------------------------------------------
+
+    def _flush_partial(self, fd: int, where: tuple[int, int]) -> None:
+        """The call is over: ``fd``'s partial line, whole characters, goes out as it is."""
+        rest = whole_characters(self._pending.get(fd, b""))
+        self._pending[fd] = self._pending[fd][len(rest):]
+        self._partial_since.pop(fd, None)
+        if rest and self._sink is not None:
+            self._to_sink(fd, where, rest)
+        elif rest:
+            self._write_partial(fd, where, rest)  # as it is: a cell's last "end=''" is kept
+        self._end_growing(fd, where)
+
+    def _end_of_call(self) -> None:
+        if self._sink is not None:
+            self._sink.give_all()
+        self._sink = None
+        # The next call's output starts on lines of its own (a new cell's output area).
+        self._open_line = [None, None]
+        for tracker in self._trackers:
+            tracker.rank_line_open = False
+
+    def _take_partial(self, fd: int, where: tuple[int, int]) -> str:
+        """The part of ``fd``'s open line not shown yet, taken (input()'s prompt)."""
+        buf = self._pending.get(fd, b"")
+        taken = whole_characters(buf)
+        self._pending[fd] = buf[len(taken):]
+        self._partial_since.pop(fd, None)
+        if self._open_line[0] == fd:  # what the rank writes after the answer starts a new line
+            self._open_line[0] = None
+            self._trackers[0].rank_line_open = False
+        self._end_growing(fd, where)
+        return taken.decode("utf-8", errors="replace")
+
+    def _write(self, fd: int, where: tuple[int, int], data: bytes) -> None:
+        """Write ``data`` from ``fd``, labelled line by line. It may end mid-line (a partial
+        line shown): that line stays open for ``fd`` until its end comes, or someone else writes."""
+        rank, stream = where
+        prefix = f"[rank {rank}] "
+        whole, rest = split_lines(data)
+        # A line end never falls inside a UTF-8 character: each line decodes alone.
+        lines = [line.decode("utf-8", errors="replace") for line in whole]
+        tail = rest.decode("utf-8", errors="replace")
+        if tail:
+            lines.append(tail)
+        target, tracker = self._targets[stream], self._trackers[stream]
+        with self._cond:
+            continuing = self._open_line[stream] == fd and tracker.rank_line_open
+            if tracker.mid_line and not self._cond.wait_for(lambda: not tracker.mid_line, _MID_LINE_WAIT):
+                tracker.mid_line = False
+                lead = "\n"  # the caller left a line open: start ours on a new one
+            elif not continuing and tracker.rank_line_open:
+                lead = "\n"  # another rank's line is open: close it
+            else:
+                lead = ""
+            text = lead + "".join(line if i == 0 and continuing else prefix + line for i, line in enumerate(lines))
+            still_open = bool(tail)
+            self._open_line[stream] = fd if still_open else None
+            tracker.rank_line_open = still_open
+            try:
+                target.write(text)
+                target.flush()
+            except Exception:
+                pass  # a closed or broken caller stream must not kill the relay (ranks would block)

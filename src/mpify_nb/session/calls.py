@@ -1,0 +1,199 @@
+"""A Session's calls: send one request to the ranks, wait for every answer, stop it when asked.
+
+One call at a time (a lock); its wait loop is the engine's pump, with the timeout (time a rank
+waits for the user not counted), the stop button and the collective watch (session/recovery.py)
+between its turns. The public calls that use it are session/session.py's.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any, Callable, Optional, Union
+
+from ..engine import core
+from ..wire import payload
+from ..wire.errors import RankError, RankExitedError, SessionClosedError, merge_rank_errors
+from ..wire.protocol import COMM, DONE, NO_REQUEST
+from .ranks import Member, failure_of
+from .recovery import SessionRecovery
+
+Ranks = Union[int, Iterable[int], None]
+
+#: How long a rank must sit in a collective while some other rank is idle before the
+#: call gives up on it (the idle rank will never join).
+COLLECTIVE_GRACE = 0.3
+#: How long a rank runs on while some other rank is not running the call before it is asked
+#: to read torch's recorder (the collective watch's first look).
+_WATCH_AFTER = 0.05
+
+
+class SessionCalls(SessionRecovery):
+    """A Session's one call at a time."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._call_lock = threading.Lock()
+        self._flag_lock = threading.Lock()
+        self.timeout: Optional[float] = None  # the default time limit of a call
+        #: the error the last failed call raised (debug() starts at its root-cause rank)
+        self.last_error: Optional[RankError] = None
+
+    def _targets(self, ranks: Ranks) -> list[int]:
+        if ranks is None:
+            return list(range(self.world_size))
+        if isinstance(ranks, int) and not isinstance(ranks, bool):
+            ranks = [ranks]
+        out = sorted(set(int(r) for r in ranks))  # type: ignore[union-attr]
+        bad = [r for r in out if not 0 <= r < self.world_size]
+        if bad or not out:
+            raise ValueError(f"ranks must be in 0..{self.world_size - 1}, not {bad or 'none'}")
+        return out
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise SessionClosedError("this Session is closed; start a new one")
+
+
+    def _call(self, kind: bytes, body: bytes, fds: list[int], ranks: Ranks, timeout: Optional[float],
+              display: Optional[Callable[[int, dict], None]], label: Optional[str]) -> dict[int, Any]:
+        if timeout is None:
+            timeout = self.timeout
+        check_timeout(timeout)
+        targets = self._targets(ranks)
+        with self._call_lock:
+            self._check_open()
+            self._notice_deaths()
+            dead = [self._members[r] for r in targets if not self._members[r].alive]
+            if dead:
+                raise merge_rank_errors([m.exit_error or RankExitedError(m.rank, None) for m in dead])
+            if self._group_broken:
+                self._rebuild()  # an earlier rebuild failed (or waited for a rank): try again now
+            req = next(self._ids)
+            members = [self._members[r] for r in targets]
+            self._display = display
+            with self._flag_lock:
+                self._current, self._interrupt_asked = req, False
+            restore = core.take_sigint(self._on_sigint, self)
+            # a per-rank view takes the ranks' streams (magics/views.py)
+            self._engine.relay.retarget(sys.stdout, sys.stderr, getattr(display, "rank_streams", None))
+            self._engine.prompter = None  # made at the first prompt: most calls have none
+            try:
+                for m in members:
+                    self._send_request(m, kind, req, body, fds, label)
+                return self._wait(members, req, timeout)
+            except RankError as e:
+                self.last_error = e
+                raise
+            finally:
+                self._engine.close_prompts()
+                with self._flag_lock:
+                    self._current = NO_REQUEST
+                restore()
+                self._engine.relay.end_call([fd for m in self._members.values() for fd in m.out_fds])
+                self._display = None
+
+    def _comm_to_rank(self, rank: int, frame: dict) -> None:
+        """A frontend's message to a widget of ``rank``: handled there like a tiny cell (output
+        relayed, the stop button reaches it). While a call runs on another thread, it is only
+        queued: the rank handles it after that call, and its answer is dropped."""
+        m = self._members.get(rank)
+        if self.closed or m is None or not m.alive:
+            return
+        body = pickle.dumps(frame)
+        if not self._call_lock.acquire(blocking=False):
+            self._engine.send(m, COMM, next(self._ids), body)
+            return
+        self._call_lock.release()
+        self._call(COMM, body, [], [rank], None, self._comms.show, None)
+
+    def _wait(self, members: list[Member], req: int, timeout: Optional[float]) -> dict[int, Any]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        stuck_since: Optional[float] = None
+        partial_since: Optional[float] = None  # since when some rank has not been running req
+        try:
+            while True:
+                dead = [m for m in members if not m.alive]
+                if dead and self.closed:
+                    raise SessionClosedError("the Session was closed while this call ran")
+                if dead:
+                    self._stop(members, req)
+                    raise merge_rank_errors([m.exit_error or RankExitedError(m.rank, None) for m in dead])
+                if all(m.req != req for m in members):
+                    break
+                if self._interrupt_asked:
+                    raise KeyboardInterrupt
+                now = time.monotonic()
+                wait = self._engine.time_left(deadline)  # time a rank waits for the user is not the call's
+                if wait is not None and wait <= 0:
+                    assert timeout is not None  # a deadline comes from it
+                    running = [m.rank for m in members if m.req == req]
+                    self._stop(members, req)
+                    raise TimeoutError(_timed_out(timeout, running, [m.rank for m in members if m.req == req]))
+                if self.ddp:
+                    if partial_since is None and not all(m.alive and m.req == req for m in self._members.values()):
+                        partial_since = now
+                    if partial_since is not None:
+                        # A rank that runs on alone a while reads torch's recorder; most finish
+                        # within a millisecond of the others, and a look costs them time.
+                        left = partial_since + _WATCH_AFTER - now
+                        if left <= 0:
+                            self._watch_recorders(req)
+                        else:
+                            wait = left if wait is None else min(wait, left)
+                    stuck, missing = self._stuck(req)
+                    if stuck and missing:
+                        stuck_since = stuck_since or now
+                        if now - stuck_since >= COLLECTIVE_GRACE:
+                            self._collective_failed(members, req, stuck, missing)
+                        left = stuck_since + COLLECTIVE_GRACE - now
+                        wait = left if wait is None else min(wait, left)
+                    else:
+                        stuck_since = None
+                self._engine.pump(wait)
+        except KeyboardInterrupt:
+            self._stop(members, req)
+            raise
+        return self._results(members)
+
+    def _results(self, members: list[Member]) -> dict[int, Any]:
+        values: dict[int, Any] = {}
+        errors: list[RankError] = []
+        for m in members:
+            assert m.answer is not None
+            kind, body, fds = m.answer
+            m.answer = None
+            if kind == DONE:
+                if len(body):
+                    value, meta = payload.unpack_result(body, fds)
+                    m.gpu_memory = meta.get("gpu_memory")
+                    values[m.rank] = value
+                else:
+                    values[m.rank] = None
+            else:
+                errors.append(failure_of(m, body, fds))
+        if errors:
+            raise merge_rank_errors(errors)
+        return values
+
+
+
+def check_timeout(timeout: Optional[float]) -> None:
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or timeout <= 0):
+        raise ValueError(f"timeout must be a positive number of seconds or None, not {timeout!r}")
+
+
+def _timed_out(timeout: float, running: list[int], still: list[int]) -> str:
+    """What a call that ran out of time did to the ranks that were still running it."""
+    message = f"the call did not finish within {timeout:g} s (ranks still running: {running}); "
+    if not still:
+        return message + "they were interrupted, their state is kept"
+    return message + (f"they were interrupted, but ranks {still} did not stop (C code that ignores "
+                      f"interrupts?): they still run it, later calls wait for them, and "
+                      f"restart({still}) replaces them")
+
+

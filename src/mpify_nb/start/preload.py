@@ -1,0 +1,175 @@
+"""What the template preloads: the installed modules the ranks need, learned call after call.
+
+A rank forked from a template that holds only torch imports everything else ``fn`` uses
+on every call: ~0.1 s for accelerate, ~1 s for transformers, ~3 s for lightning. A
+fork-based launcher (``notebook_launcher``, ``ddp_notebook``) inherits those modules from
+the notebook for free. So the template comes to hold them too::
+
+    rank (end of call)  -- IMPORTED [(name, file)...] -->  caller: learn()   modules it imported
+        wanted() - what the template holds - what failed before
+          |  non-empty
+          v
+    template.refresh(): a fresh template starts in the background, imports them one by one
+        (a module that fails is skipped and remembered; one that initializes CUDA, starts
+        a Python thread or leaves a child process running makes that template unusable: it
+        is remembered and left out next time)
+          |  ready
+          v
+    the next call's get_template() swaps it in; the old one ends once its ranks are gone
+
+The current call never waits for it. Only modules installed under a ``site-packages``
+(or ``dist-packages``) directory or in the standard library are ever preloaded, never a
+module from the notebook's working directory (the user edits those; a rank must import
+their current version). Names given with ``set_preload`` (start/template.py) are preloaded too.
+
+Only what the ranks imported, never what only the notebook imported: a module's import runs
+its side effects (a log line, a helper process, a file written) once more, in the template,
+and that is harmless only for a module every rank imports anyway.
+
+Turn it off with ``set_preload(False)`` or ``MPIFY_NB_PRELOAD=0``; name modules with
+``set_preload(["transformers.trainer"])`` or ``MPIFY_NB_PRELOAD=transformers.trainer,lightning``.
+"""
+
+from __future__ import annotations
+
+import os
+import site
+import sys
+import sysconfig
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Optional, Union
+
+_lock = threading.Lock()
+_enabled = True
+_named: list[str] = []           # given by set_preload([...]) or MPIFY_NB_PRELOAD
+_learned: dict[str, None] = {}   # imported by ranks in earlier calls, in import order
+_failed: dict[str, str] = {}     # name -> why it was left out (import error, CUDA, threads)
+
+
+def choose(modules: Union[bool, Sequence[str]] = True) -> bool:
+    """Record what :func:`~mpify_nb.set_preload` was given (on, off, or names to add);
+    True when preloading is on."""
+    global _enabled
+    if isinstance(modules, bool):
+        with _lock:
+            _enabled = modules
+    else:
+        if isinstance(modules, str):
+            raise TypeError("set_preload takes a list of module names, or True/False, not a string")
+        names = [str(m).strip() for m in modules if str(m).strip()]
+        with _lock:
+            _enabled = True
+            for name in names:
+                if name not in _named:
+                    _named.append(name)
+    return _enabled
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def named() -> list[str]:
+    """The modules named with set_preload() or MPIFY_NB_PRELOAD."""
+    with _lock:
+        return [n for n in _named if n not in _failed]
+
+
+def failed() -> dict[str, str]:
+    """Modules left out of the template, with the reason (``{name: why}``)."""
+    with _lock:
+        return dict(_failed)
+
+
+def mark_failed(name: str, why: str) -> None:
+    with _lock:
+        _failed.setdefault(name, why)
+
+
+def learn(modules: Iterable[tuple[str, Optional[str]]], cwd: Optional[str] = None) -> None:
+    """Remember the modules a rank imported during a call ((name, file) pairs, in import order)."""
+    roots = _Roots(cwd)
+    with _lock:
+        for name, file in modules:
+            if name not in _learned and _wanted_name(name) and roots.installed(file):
+                _learned[name] = None
+
+
+def wanted(cwd: Optional[str] = None) -> list[str]:
+    """Every module the next template should hold (in a good import order), or [] when off."""
+    if not _enabled:
+        return []
+    with _lock:
+        learned = list(_learned)
+        named = list(_named)
+        failed_now = set(_failed)
+    names = dict.fromkeys(named + learned)
+    return [n for n in names if n not in failed_now]
+
+
+def site_paths() -> list[str]:
+    """The caller's site-packages directories, for a template started with another sys.path."""
+    return [p for p in sys.path if os.path.basename(p.rstrip(os.sep)) in ("site-packages", "dist-packages")]
+
+
+def _wanted_name(name: str) -> bool:
+    return name not in ("__main__", "__mp_main__") and not name.endswith(".__main__")
+
+
+class _Roots:
+    """Where installed modules live: site-packages/dist-packages directories and the standard library."""
+
+    def __init__(self, cwd: Optional[str]) -> None:
+        if cwd is None:
+            try:
+                cwd = os.getcwd()
+            except OSError:
+                cwd = None
+        self.cwd = _real_dir(cwd) if cwd else None
+        sites = set(site_paths())
+        try:
+            sites.update(site.getsitepackages())
+            sites.add(site.getusersitepackages())
+        except AttributeError:  # an old virtualenv's site module
+            pass
+        self.sites = tuple(_real_dir(p) for p in sites if p)
+        paths = sysconfig.get_paths()
+        self.stdlib = tuple(_real_dir(paths[k]) for k in ("stdlib", "platstdlib") if paths.get(k))
+
+    def installed(self, file: Optional[str]) -> bool:
+        if not file:
+            return False  # builtin, frozen or namespace package: nothing to gain
+        key = (file, self.cwd)
+        verdict = _verdicts.get(key)
+        if verdict is None:
+            verdict = _verdicts[key] = self._installed(file)
+        return verdict
+
+    def _installed(self, file: str) -> bool:
+        path = os.path.realpath(file)
+        if any(path.startswith(root) for root in self.sites):
+            return True
+        if self.cwd is not None and path.startswith(self.cwd):
+            return False  # the notebook's own code, even where the standard library lives
+        return any(path.startswith(root) for root in self.stdlib)
+
+
+#: (file, cwd) -> installed? realpath() of thousands of files costs ~0.4 s; files don't move.
+_verdicts: dict[tuple[str, Optional[str]], bool] = {}
+
+
+def _real_dir(path: str) -> str:
+    return os.path.join(os.path.realpath(path), "")
+
+
+def _from_environment() -> None:
+    value = os.environ.get("MPIFY_NB_PRELOAD", "").strip()
+    if value.lower() in ("0", "off", "false", "no"):
+        global _enabled
+        _enabled = False
+    elif value and value.lower() not in ("1", "on", "true", "yes", "auto"):
+        _named.extend(n.strip() for n in value.split(",") if n.strip())
+
+
+_from_environment()

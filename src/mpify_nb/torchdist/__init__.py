@@ -1,0 +1,8 @@
+"""What mpify_nb knows of torch.distributed and the training libraries built on it.
+
+``groups`` (GPU ids, the store's listening socket, torch's group count), ``waits`` (what a rank
+waits on in a collective: torch's flight recorder, its stack) and ``libraries`` (what accelerate,
+Lightning and Hugging Face expect of a rank, and leave behind).
+
+Both sides use it. It imports nothing else of mpify_nb.
+"""

@@ -1,0 +1,203 @@
+"""torch.distributed process groups: what ``in_torchddp`` (ddp.py), ``ranch`` (launcher/call.py), a
+Session (session/session.py) and its ranks (rank/session.py) all need of them.
+
+* ``parse_gpus``: GPU ids by rank, as ``gpus=`` gives them (``"3,1"``, ``[3, 1]``);
+* ``listen_on``: the rendezvous store's listening socket, on one address only (a TCPStore
+  given just a port listens on every interface);
+* ``group_count`` / ``set_group_count``: torch's count of groups made in this process, put
+  back after a failed ``init_process_group`` (torch names a group's store keys after it);
+* ``disarm_ended_ddp``: a DistributedDataParallel model left in the notebook by a call whose
+  group has ended fails at once, clearly, when used.
+
+torch is never imported here at module level: the caller may not have imported it yet.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Sequence
+from typing import Any, Optional, Union
+
+GpuSpec = Union[str, Sequence[int], None]
+
+
+def parse_gpus(gpus: GpuSpec) -> Optional[list[int]]:
+    """GPU ids by rank (``"3,1"``, ``[3, 1]``, ``3``) as a list, checked; None stays None."""
+    if gpus is None:
+        return None
+    if isinstance(gpus, str):
+        parts = [p for p in gpus.replace(" ", "").split(",") if p]
+        try:
+            ids = [int(p) for p in parts]
+        except ValueError:
+            raise ValueError(f"gpus must list GPU ids like '3,1', not {gpus!r}") from None
+    elif isinstance(gpus, int):
+        ids = [int(gpus)]
+    else:
+        ids = [int(g) for g in gpus]
+    if not ids:
+        raise ValueError("gpus is empty: give at least one GPU id, or leave it None")
+    if any(i < 0 for i in ids):
+        raise ValueError(f"GPU ids cannot be negative: {ids}")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"gpus lists a GPU twice ({ids}): each rank needs its own GPU")
+    return ids
+
+
+def listen_on(addr: str, port: int, backlog: int) -> Any:
+    """A socket listening on ``addr:port`` only, for a TCPStore's server (which, given just
+    a port, would listen on every interface)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((addr, port))
+        listener.listen(backlog)
+    except BaseException:
+        listener.close()
+        raise
+    return listener
+
+
+ENDED_GROUP_MESSAGE = (
+    "this DistributedDataParallel model was made on the process group of a ranch call (or a %%ranch --ddp "
+    "cell) that has ended: that group ended with the call and its other ranks are gone, so the model "
+    "cannot run its collectives here. Use its .module (the trained model itself, e.g. model.module(x)), "
+    "or wrap it in DistributedDataParallel again inside a new call."
+)
+FSDP_ENDED_MESSAGE = (
+    "this FSDP module (fully_shard) was sharded on the process group of a ranch call (or a %%ranch --ddp "
+    "cell) that has ended: the other ranks, which hold the rest of its parameters, are gone with that group, "
+    "so it cannot gather them here. Gather what you need inside the call (e.g. get_model_state_dict(model, "
+    "options=StateDictOptions(full_state_dict=True)) from torch.distributed.checkpoint.state_dict), or "
+    "shard a new model inside a new call."
+)
+MESH_ENDED_MESSAGE = (
+    "this DeviceMesh (or a DTensor on it) was made on the process group of a ranch call (or a %%ranch --ddp "
+    "cell) that has ended: that group ended with the call and its other ranks are gone, so it cannot run "
+    "collectives here. A DTensor's own shard is its .to_local(); gather a full tensor (.full_tensor()) "
+    "inside the call."
+)
+
+
+def disarm_ended_ddp(roots: Sequence[Any]) -> int:
+    """After a call whose process group ended: make each object found in ``roots`` (and one level
+    inside them: containers, attributes) that needs that group fail at once with a clear
+    RuntimeError when used, instead of gloo's "Connection closed by peer" (or a hang, or torch's
+    "Could not resolve the process group") when it tries to talk to ranks that are gone:
+    DistributedDataParallel and FSDP2 (``fully_shard``) modules when called, DeviceMeshes and
+    DTensors (through their mesh) when they need a collective. Returns how many were found."""
+    torch = sys.modules.get("torch")
+    parallel = sys.modules.get("torch.nn.parallel")
+    if torch is None or parallel is None:
+        return 0
+    ddp_type = parallel.DistributedDataParallel
+    # Only when the call imported them: a notebook that never used FSDP or DTensor has none.
+    fsdp_type = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    dtensor_type = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    mesh_type = getattr(sys.modules.get("torch.distributed.device_mesh"), "DeviceMesh", None)
+    found = 0
+    seen: set[int] = set()
+    for obj in _one_level_down(roots):
+        if id(obj) in seen:
+            continue
+        kind = type(obj)
+        if issubclass(kind, ddp_type):
+            _refuse_calls(obj, ENDED_GROUP_MESSAGE)
+        elif fsdp_type is not None and issubclass(kind, fsdp_type):
+            for module in obj.modules():  # each FSDP submodule gathers its own parameters
+                if isinstance(module, fsdp_type):
+                    _refuse_calls(module, FSDP_ENDED_MESSAGE)
+            if dtensor_type is not None:
+                for parameter in obj.parameters():
+                    if isinstance(parameter, dtensor_type):
+                        _refuse_collectives(parameter.device_mesh)
+        elif dtensor_type is not None and issubclass(kind, dtensor_type):
+            _refuse_collectives(obj.device_mesh)
+        elif mesh_type is not None and issubclass(kind, mesh_type):
+            _refuse_collectives(obj)
+        else:
+            continue
+        seen.add(id(obj))
+        found += 1
+    return found
+
+
+def _refuse_calls(module: Any, message: str) -> None:
+    if not getattr(module, "_mpify_group_ended", False):
+        module._mpify_group_ended = message
+        # In front of the module's own hooks: FSDP's pre-forward hook is where it gathers.
+        module.register_forward_pre_hook(_refuse_ended_group, prepend=True)
+
+
+def _refuse_ended_group(module, args) -> None:
+    raise RuntimeError(module._mpify_group_ended)
+
+
+class _EndedGroupNames(list):
+    """A DeviceMesh's group names, once its groups ended: every collective on the mesh (a
+    DTensor's ``full_tensor``, ``redistribute``, ``mesh.get_group()``) looks its group up by
+    index here, and gets the reason instead. Iterating (pickling the mesh) still works."""
+
+    def __getitem__(self, index: Any) -> Any:
+        raise RuntimeError(MESH_ENDED_MESSAGE)
+
+
+def _refuse_collectives(mesh: Any) -> None:
+    names = getattr(mesh, "_dim_group_names", None)  # private to torch: guarded, as is its type
+    if type(names) is list:
+        mesh._dim_group_names = _EndedGroupNames(names)
+
+
+def _one_level_down(roots: Sequence[Any]):
+    """``roots``, and what they hold one level down: items of lists, tuples, sets and dicts, and
+    attributes of objects whose class the notebook defined (a trainer of its own). By type only:
+    no attribute of a library object is read (some warn, or do work, when touched)."""
+    for root in roots:
+        yield root
+        for child in _held_by(root):
+            yield child
+            if type(child) in (list, tuple, dict):  # e.g. {"model": ddp} or [ddp, opt]
+                yield from _held_by(child)
+
+
+def _held_by(obj: Any) -> list:
+    kind = type(obj)
+    if kind is dict:
+        return list(itertools.islice(obj.values(), 10000))  # a million-item list is not worth a look
+    if kind in (list, tuple, set):
+        return list(itertools.islice(obj, 10000))
+    if kind.__module__ == "__main__" and not isinstance(obj, type):
+        try:
+            attributes = object.__getattribute__(obj, "__dict__")
+        except AttributeError:
+            return []
+        return list(itertools.islice(attributes.values(), 10000)) if type(attributes) is dict else []
+    return []
+
+
+def group_count() -> Optional[int]:
+    """torch's count of process groups made in this process (private, hence guarded)."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._world.group_count
+    except (ImportError, AttributeError):
+        return None
+
+
+def set_group_count(count: Optional[int]) -> None:
+    """Undo the count a failed ``init_process_group`` left behind. torch names a group's
+    store keys after it, so a stale count makes the next rendezvous in this process wait,
+    until its timeout, for peers that use fresh names."""
+    if count is None:
+        return
+    try:
+        from torch.distributed import distributed_c10d
+
+        distributed_c10d._world.group_count = count
+    except (ImportError, AttributeError):
+        pass

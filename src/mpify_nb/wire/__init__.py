@@ -1,0 +1,8 @@
+"""The wire format: what crosses between a caller and its ranks, and how it is framed.
+
+``errors`` (what comes back when a rank fails), ``framing`` (frames on the socketpairs, file
+descriptors included), ``protocol`` (the frame kinds and request ids), ``payload`` (the call and
+its results, pickled with dill) and ``shm`` (the shared memory big tensors travel in).
+
+Both sides use it: the notebook and every rank. It imports nothing else of mpify_nb.
+"""

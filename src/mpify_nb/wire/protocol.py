@@ -1,0 +1,63 @@
+"""The frames a caller and its ranks exchange: one kind byte, a request id, a body.
+
+Every rank, a ``ranch`` rank and a Session's alike, speaks this one protocol over its
+channel (and a Session's rank also over its control channel). Each kind byte means one
+thing whichever way and whichever channel it travels, so the caller dispatches every frame
+it reads through one table (engine/core.py) and a rank's control thread through another
+(rank/control.py). A capability that adds frames (widgets' comms) picks kind bytes not
+listed here and registers its handlers in those two tables: :func:`claim` keeps two
+capabilities from taking the same byte.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+# -- to a rank, on its channel (the rank's main thread: one request at a time) ---------------
+CALL = b"c"  # a ranch call (fn, args, ctx; memfds): load it, READY, wait for GO, run, answer, exit
+GO = b"G"  # every rank of a ranch call has loaded it: run it
+RUN, APPLY, PUSH, PULL, MISSING, GROUP = b"r", b"a", b"p", b"l", b"m", b"g"  # a Session's requests
+# -- to a rank's control thread (a Session's control channel; a ranch rank's channel once it runs)
+INTERRUPT, ABORT_GROUP, WATCH, PEEK, ANSWER = b"i", b"x", b"w", b"k", b"n"
+# -- from a rank ----------------------------------------------------------------------------------
+READY = b"R"  # started (a Session's rank: its group is up) or loaded (a ranch call)
+DONE, FAIL = b"D", b"F"  # the answer to a request: its value; (RemoteFailure, interrupted, meta)
+DISPLAY = b"P"  # display(obj) on a Session's rank: a mime bundle
+ASK = b"Q"  # the rank reads its stdin (rank/stdin.py): a token; the caller sends ANSWER (token, answer)
+IMPORTED = b"M"  # the modules a ranch rank imported (before its answer; see start/preload.py)
+COLLECTIVE, ABORTED, ISSUED = b"C", b"A", b"I"  # from a Session rank's control thread
+# -- widgets (rank/comms.py, engine/comms.py): a frontend's comm message to a rank (its main thread, a request
+#    like a tiny cell); a rank's comm frame to the kernel (any thread); the caller passed on a frame
+#    marked "sync" (to the control thread)
+COMM, COMM_OUT, COMM_ACK = b"u", b"W", b"o"
+
+_ID = struct.Struct("!Q")
+NO_REQUEST = 0
+
+#: Every kind byte in use, by name: a capability's claim() must not take one of them.
+_claimed: dict[bytes, str] = {
+    value: name for name, value in dict(globals()).items()
+    if isinstance(value, bytes) and len(value) == 1 and name.isupper()
+}
+
+
+def claim(kind: bytes, name: str) -> bytes:
+    """Reserve the kind byte ``kind`` for a capability's frames (``name`` says whose); returns it.
+    Raises ValueError when another frame has it already."""
+    if len(kind) != 1:
+        raise ValueError(f"a frame kind is one byte, not {kind!r}")
+    holder = _claimed.setdefault(kind, name)
+    if holder != name:
+        raise ValueError(f"frame kind {kind!r} is taken by {holder}")
+    return kind
+
+
+def pack(kind: bytes, req_id: int, body: bytes = b"") -> bytes:
+    return kind + _ID.pack(req_id) + body
+
+
+def unpack(data: Any) -> tuple[bytes, int, Any]:
+    """(kind, request id, body as a memoryview: no copy of a big payload)."""
+    view = memoryview(data)
+    return bytes(view[:1]), _ID.unpack(view[1:9])[0], view[9:]
