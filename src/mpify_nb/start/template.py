@@ -503,7 +503,7 @@ def own_process_group() -> dict:
 def bootstrap_env() -> dict:
     """The environment a new interpreter needs to import this very copy of mpify_nb."""
     env = dict(os.environ)
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # src/, above mpify_nb/start/
     paths = env.get("PYTHONPATH", "")
     env["PYTHONPATH"] = here + (os.pathsep + paths if paths else "")
     env["MPIFY_NB_CHILD"] = "1"  # no template of its own

@@ -32,7 +32,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Optional
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # mpify_nb/, above wire/
 
 
 class RankError(RuntimeError):
