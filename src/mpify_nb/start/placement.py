@@ -155,7 +155,7 @@ def set_placement(kind: str = "local", **options: Any) -> None:
     ``resources`` (per rank), ``strategy="SPREAD"`` (a Ray placement-group strategy). A Ray
     Client address (``"ray://head:10001"``) works for calls with ``caller_rank=None`` and for
     a ``Session``: this process is then not on the cluster, so it cannot be a rank.
-    Needs Ray: the ``ray`` extra (``pip install "mpify_nb[ray]"``).
+    Needs Ray: the ``ray`` extra, or ``pip install "ray[client]>=2.9"``.
 
     Example (a notebook cell on a node of a Ray cluster):
 
