@@ -18,11 +18,12 @@ How a page is written so its blocks are tested:
   - ``<!-- test: raises RankRaisedError -->``: the cell must fail with that exception.
   - ``<!-- test: any-order -->`` (on an output block): the lines may come in any order (ranks print
     concurrently); the page must say so to the reader.
-  - ``<!-- test: needs accelerate, lightning -->``: the page's blocks are skipped when one of these
-    modules is not installed.
+  - ``<!-- test: needs accelerate, lightning -->``: the blocks of this kernel (the page's, or those since
+    the last ``new-kernel``) are skipped when one of these modules is not installed.
   - ``<!-- test: new-kernel -->``: from this block on, the page runs in a fresh kernel.
   - ``<!-- test: gpu 2 -->``: runs only where torch sees at least that many CUDA GPUs (1 when no number
-    is given); elsewhere it is listed as skipped. On a GPU machine, ``pytest tests/test_docs.py`` runs it.
+    is given); elsewhere its kernel's blocks are listed as skipped. On a GPU machine,
+    ``pytest tests/test_docs.py -k quickstart-gpu`` runs docs/quickstart-gpu.md.
 
 A shown value goes into an output block, never a ``# -> value`` comment, so that it is checked.
 """

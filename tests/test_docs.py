@@ -119,20 +119,29 @@ def _gpus_here() -> int:
     return torch.cuda.device_count()
 
 
-def run_blocks(blocks: list[Block], cwd: Path) -> None:
-    """Run the runnable blocks in kernels (a new one at each 'new-kernel'); fail with every mismatch."""
-    runnable = [b for b in blocks if b.runs and _gpus_needed(b) <= _gpus_here()]
-    needed = sorted({m.strip() for b in runnable for m in b.marks.get("needs", "").split(",") if m.strip()})
-    absent = [m for m in needed if importlib.util.find_spec(m) is None]
-    if absent:
-        pytest.skip(f"needs {', '.join(absent)} (not installed)")
-    if not runnable:
-        pytest.skip("no block to run here")
+def _absent(block: Block) -> list[str]:
+    """The modules a block's 'needs' names that are not installed here."""
+    named = [m.strip() for m in block.marks.get("needs", "").split(",") if m.strip()]
+    return [m for m in named if importlib.util.find_spec(m) is None]
+
+
+def kernel_groups(blocks: list[Block]) -> list[list[Block]]:
+    """The runnable blocks, cut into one list per kernel (a new one at each 'new-kernel'). A group is left
+    out when one of its blocks needs a module that is not installed, or more GPUs than torch sees here."""
     groups: list[list[Block]] = []
-    for block in runnable:
-        if not groups or "new-kernel" in block.marks:
-            groups.append([])
-        groups[-1].append(block)
+    for block in blocks:
+        if block.runs:
+            if not groups or "new-kernel" in block.marks:
+                groups.append([])
+            groups[-1].append(block)
+    return [g for g in groups if not any(_absent(b) or _gpus_needed(b) > _gpus_here() for b in g)]
+
+
+def run_blocks(blocks: list[Block], cwd: Path) -> None:
+    """Run each kernel group of the blocks in a fresh kernel; fail with every mismatch."""
+    groups = kernel_groups(blocks)
+    if not groups:
+        pytest.skip("nothing to run here (see the skipped blocks)")
     failures = []
     for group in groups:
         nb = nbutil.new_notebook([b.code for b in group])
@@ -171,7 +180,12 @@ def test_docstring_examples_run_and_show_what_they_say(tmp_path: Path) -> None:
 
 
 def _skipped() -> list[Block]:
-    return [b for b in _all_blocks() if "skip" in b.marks or "gpu" in b.marks]
+    """Blocks marked skip, and the blocks marked needs or gpu in kernel groups this machine cannot run."""
+    found = [b for b in _all_blocks() if "skip" in b.marks]
+    for blocks in [docblocks.page_blocks(p) for p in docblocks.pages()] + [docstring_blocks(n) for n in PUBLIC]:
+        runnable = {id(b) for g in kernel_groups(blocks) for b in g}
+        found += [b for b in blocks if b.runs and id(b) not in runnable and (_absent(b) or _gpus_needed(b))]
+    return found
 
 
 @pytest.mark.parametrize("block", _skipped(), ids=lambda b: b.where)
@@ -179,5 +193,6 @@ def test_skipped_block(block: Block) -> None:
     """Listed so that `pytest -ra` shows every block that is not run, and why."""
     if "skip" in block.marks:
         pytest.skip(f"{block.where}: {block.marks['skip']}")
-    if _gpus_needed(block) > _gpus_here():
-        pytest.skip(f"{block.where}: needs {_gpus_needed(block)} CUDA GPU(s); {_gpus_here()} here")
+    if _absent(block):
+        pytest.skip(f"{block.where}: needs {', '.join(_absent(block))} (not installed)")
+    pytest.skip(f"{block.where}: needs {_gpus_needed(block)} CUDA GPU(s); {_gpus_here()} here")
