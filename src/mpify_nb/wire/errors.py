@@ -43,28 +43,27 @@ class RankError(RuntimeError):
             failed because a peer disappeared).
         others: the other failures seen during the same call, as ``RankError``s.
 
-    ``RankRaisedError`` (the function raised) and ``RankExitedError`` (the process died)
-    are its kinds; a rank whose return value cannot be pickled raises it as it is.
+    ``RankRaisedError`` (the function raised, or its value could not be sent back) and
+    ``RankExitedError`` (the process died) are its kinds: catch ``RankError`` for both.
 
-    Example (a notebook cell):
+    Example (a notebook cell): a value that cannot travel back to the notebook.
 
     ```python
-    import os
     from mpify_nb import ranch, RankError
 
-    def train():
-        if os.environ["RANK"] == "1":
-            raise ValueError("no data on rank 1")
-        return "trained"
+    def numbers():
+        return (i for i in range(3))       # a generator: rank 1 cannot pickle it
 
     try:
-        ranch(2, train)
+        ranch(2, numbers)
     except RankError as e:
-        print(e.rank, str(e).splitlines()[0])
+        print(type(e).__name__, e.rank)
+        print(str(e).splitlines()[0])
     ```
 
     ```output
-    1 rank 1 raised ValueError: no data on rank 1
+    RankRaisedError 1
+    rank 1 raised RuntimeError: the value returned by rank 1 (generator) cannot be pickled: ...
     ```
     """
 
