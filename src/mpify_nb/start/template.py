@@ -424,11 +424,15 @@ def set_preload(modules: Union[bool, Sequence[str]] = True) -> None:
     ``site-packages``/the standard library, and leaves out a module that fails to import, that
     initializes CUDA, or that starts a thread or a process at import.
 
-    Example (a notebook cell)::
+    Example (a notebook cell; with ``["transformers.trainer", "lightning"]`` a warm call of a
+    Hugging Face or Lightning training function does not import them again):
 
-        import mpify_nb
-        mpify_nb.set_preload(["transformers.trainer", "lightning"])  # ready before the first call
-        mpify_nb.set_preload(False)                                  # every call imports afresh
+    ```python
+    import mpify_nb
+    mpify_nb.set_preload(["sklearn.linear_model"])   # preloaded from now on, ready before the first call
+    mpify_nb.set_preload(True)                       # the default: learn from what the calls import
+    mpify_nb.set_preload(False)                      # every call imports afresh
+    ```
     """
     if preload.choose(modules):
         refresh()  # named modules: start on them now
