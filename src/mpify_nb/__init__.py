@@ -92,6 +92,10 @@ if os.environ.get("MPIFY_NB_CHILD") != "1":
     from .engine.interrupts import install as _install_sigint
 
     _install_sigint()  # the stop button reaches calls on other threads too (engine/interrupts.py)
+    if "ipykernel" in sys.modules:  # in a Jupyter kernel: its debugger panel reaches persistent ranks too
+        from .debugger.kernel import install as _install_debugger
+
+        _install_debugger()
 
 # Start the template now, in the background, so the first call does not pay for
 # importing torch. Not in our own children (ranks and the template itself).

@@ -1,0 +1,531 @@
+"""The frontend's debug requests, each routed to the kernel's own debugger or to ranks, and answered.
+
+``Hub.handle`` stands in for ipykernel's ``do_debug_request`` (the control thread's loop awaits
+it). A request for a rank's thread, frame or variable goes to that rank, its ids renumbered both
+ways (ids.py); one about every thread (threads, setBreakpoints, ...) goes to the kernel and to
+every rank, the answers merged; anything else is the kernel's, as before::
+
+    frontend request           kernel's debugger (ipykernel)        ranks (links.py)
+    debugInfo                  its reply, + the ranks' stopped threads
+    initialize / attach        first                                 attach every live rank
+    dumpCell                   writes the cell's file                the file on each rank's host
+    setBreakpoints ...         first (its reply is the answer)       the same, remembered for new ranks
+    threads                    "kernel / MainThread"                 "rank k / MainThread"
+    stackTrace / scopes /      when the id is the kernel's           when the id is rank k's
+      variables / evaluate ...
+    continue / next / step*    for a stopped thread only: every stopped thread (one, with
+                               singleThread); one continued event (threads.py). For a running
+                               thread: answered here, never forwarded (debugpy would never answer)
+    disconnect                 last                                  breakpoints cleared, let go
+
+Waits for ranks run in a worker thread (the control loop stays free for the kernel's own debugpy)
+and never outlast links.ANSWER_TIMEOUT per request: a rank that does not answer gets an error.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import json
+import os
+import threading
+import weakref
+from typing import Any, Callable, Optional
+
+from ..engine.core import Engine, Member
+from ..wire import payload
+from .ids import FRAME, THREAD, VARIABLE, Ids
+from .links import ANSWER_TIMEOUT, ATTACH_TIMEOUT, Pending, RankLink, Waiter
+from .threads import Threads
+
+#: Requests that resume a thread.
+RESUMING = ("continue", "next", "stepIn", "stepOut")
+#: Names the variables panel never shows (ipykernel's list, for the ranks' namespaces too).
+_HIDDEN = frozenset({"__name__", "__doc__", "__package__", "__loader__", "__spec__", "__annotations__",
+                     "__builtins__", "__builtin__", "__display__", "get_ipython", "debugpy", "exit", "quit",
+                     "In", "Out", "_oh", "_dh", "_", "__", "___"})
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def visible(name: str) -> bool:
+    """Does the variables panel show ``name`` (as ipykernel decides for the kernel's own)?"""
+    return name not in _HIDDEN and not (name[:2] == "_i" or (name[:1] == "_" and name[1:2].isdigit()))
+
+
+def _users_frames(frames: list[dict]) -> list[dict]:
+    """A rank's stack as the user knows it: never this library's frames (pydevd's rules hide them
+    already; a rank on another host has the library elsewhere), nor the process's own first frame
+    below them (``python -c``'s ``<string>``, which started the rank)."""
+    def path(frame: dict) -> str:
+        return str((frame.get("source") or {}).get("path", ""))
+
+    frames = [f for f in frames if not path(f).startswith(_PACKAGE + os.sep)]
+    while frames and path(frames[-1]).startswith("<"):
+        frames.pop()
+    return frames
+
+
+def reply(request: dict, success: bool = True, body: Optional[dict] = None, message: str = "") -> dict:
+    """A DAP response to the frontend's ``request``."""
+    out: dict = {"type": "response", "seq": request.get("seq", 0), "request_seq": request.get("seq", 0),
+                 "command": request.get("command", ""), "success": success}
+    if body is not None:
+        out["body"] = body
+    if message:
+        out["message"] = message
+    return out
+
+
+class Hub:
+    """The one debugger the frontend sees. ``kernel_debugger`` is ipykernel's ``Debugger``
+    (``process_request`` coroutine); ``send_event`` publishes a DAP event on IOPub."""
+
+    def __init__(self, kernel_debugger: Any, send_event: Callable[[dict], None]):
+        self.kernel_debugger = kernel_debugger
+        self.ids = Ids()
+        self.threads = Threads(send_event)
+        self.waiter = Waiter()
+        self.attached = False  # the frontend attached (and has not disconnected since)
+        self._lock = threading.Lock()
+        self._engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+        self._links: dict[int, RankLink] = {}  # id(member) -> its link
+        self._breakpoints: dict[str, dict] = {}  # source path -> the frontend's setBreakpoints arguments
+        self._other_setup: dict[str, dict] = {}  # setExceptionBreakpoints / setFunctionBreakpoints
+        self._cells: dict[str, str] = {}  # a cell's file (dumpCell) -> its code
+
+    # -- engines and their ranks ---------------------------------------------------------------
+
+    def install_engine(self, engine: Engine) -> None:
+        """A new engine (engine.add_capability): a Session's ranks can be debugged."""
+        if not engine.persistent or engine in self._engines:
+            return
+        from ..rank.debugger import DEBUG
+
+        self._engines.add(engine)
+        engine.on(DEBUG, lambda m, req, body, fds: self._from_rank(m, body, fds))
+        engine.before_call(self._before_call)
+        engine.when_gone(self._member_gone)
+
+    def _from_rank(self, m: Member, body: Any, fds: list) -> None:
+        payload.close_fds(fds)
+        link = self._links.get(id(m))
+        if link is None or link.member is not m:
+            return
+        try:
+            message = json.loads(bytes(body))
+        except ValueError:
+            return
+        link.received(message)
+
+    def _member_gone(self, engine: Engine, m: Member) -> None:
+        with self._lock:
+            link = self._links.pop(id(m), None)
+        if link is None or link.member is not m:
+            return
+        link.lost()
+        self.threads.exited(link, self.ids.threads_of(link))
+        self.ids.forget(link)
+
+    def _live_members(self) -> list[tuple[Engine, Member]]:
+        return [(engine, m) for engine in list(self._engines) if not engine.closed
+                for m in list(engine.members.values()) if not m.buried and not m.gone_told]
+
+    def _link(self, engine: Engine, m: Member) -> RankLink:
+        with self._lock:
+            link = self._links.get(id(m))
+            if link is None or link.member is not m:
+                link = self._links[id(m)] = RankLink(engine, m, self.waiter, self._rank_event)
+            return link
+
+    def links(self) -> list[RankLink]:
+        """The attached ranks, by rank."""
+        with self._lock:
+            found = [link for link in self._links.values() if link.state == "attached" and not link.gone]
+        return sorted(found, key=lambda link: link.rank)
+
+    # -- attaching ranks (blocking: a worker thread, or the owner's before a call) --------------------
+
+    def attach(self, engine: Engine, m: Member) -> str:
+        """Start rank ``m``'s debugger with the frontend's setup; '' or why it could not."""
+        link = self._link(engine, m)
+        with self._lock:
+            if link.state == "attached":
+                return ""
+            if link.state == "attaching":
+                busy = True
+            else:
+                busy, link.state = False, "attaching"
+                link.attaching.clear()
+        if busy:
+            link.attaching.wait(ATTACH_TIMEOUT)
+            return link.failure
+        pendings = [link.send("initialize", {"clientID": "mpify_nb", "adapterID": "python", "pathFormat": "path",
+                                             "linesStartAt1": True, "columnsStartAt1": True,
+                                             "supportsVariableType": True, "supportsVariablePaging": True}),
+                    link.send("attach", {"justMyCode": True, "redirectOutput": False})]
+        pendings += self._replay(link)
+        pendings.append(link.send("configurationDone"))
+        self.waiter.wait(pendings, ATTACH_TIMEOUT)
+        failures = [p.failure() for p in pendings if p.failure()]
+        with self._lock:
+            link.failure = failures[0] if failures else ""
+            link.state = "failed" if failures else "attached"
+        link.attaching.set()
+        return link.failure
+
+    def _replay(self, link: RankLink) -> list[Pending]:
+        """What the frontend set up so far, for a rank that comes late."""
+        with self._lock:
+            cells, breakpoints, other = dict(self._cells), dict(self._breakpoints), dict(self._other_setup)
+        pendings = [link.send("mpifyWriteCell", {"path": path, "code": code}) for path, code in cells.items()]
+        pendings += [link.send("setBreakpoints", arguments) for arguments in breakpoints.values()]
+        pendings += [link.send(command, arguments) for command, arguments in other.items()]
+        return pendings
+
+    def attach_all(self) -> list[str]:
+        """Every live rank of every Session attached; why some could not."""
+        return [f"{why}" for engine, m in self._live_members() for why in [self.attach(engine, m)] if why]
+
+    def _before_call(self, engine: Engine, members: list) -> None:
+        """A call is about to start (on its thread): ranks that came since (restarted, new)
+        take the frontend's breakpoints first, or the cell would run past them."""
+        if not self.attached:
+            return
+        for m in members:
+            link = self._links.get(id(m))
+            if not m.buried and (link is None or link.member is not m or link.state != "attached"):
+                why = self.attach(engine, m)
+                if why:
+                    import sys
+
+                    print(f"[mpify_nb] the debugger could not attach to rank {m.rank}: {why}", file=sys.stderr)
+
+    def detach_all(self) -> None:
+        """The frontend turned its debugger off: ranks drop their breakpoints and run on."""
+        links = self.links()
+        with self._lock:
+            sources = list(self._breakpoints.values())
+        pendings: list[Pending] = []
+        for link in links:
+            pendings += [link.send("setBreakpoints", dict(arguments, breakpoints=[], lines=[]))
+                         for arguments in sources]
+            pendings.append(link.send("setExceptionBreakpoints", {"filters": []}))
+            stopped = self.threads.stopped(link)
+            if stopped:
+                local = self.ids.to_local(THREAD, stopped[0])
+                if local is not None:
+                    pendings.append(link.send("continue", {"threadId": local[1]}))
+            pendings.append(link.send("mpifyDetach"))
+            link.state = "detached"
+        self.threads.resume([g for link in links for g in self.threads.stopped(link)])
+        self.waiter.wait(pendings, ANSWER_TIMEOUT)
+
+    # -- events -----------------------------------------------------------------------------------
+
+    def _rank_event(self, link: RankLink, event: dict) -> None:
+        """A DAP event from a rank (on the thread that runs its engine's loop)."""
+        name = event.get("event")
+        body = self.ids.map(dict(event.get("body") or {}), lambda kind, v: self.ids.to_global(kind, link, v))
+        thread = body.get("threadId")
+        if name == "stopped" and thread is not None:
+            self.threads.on_stopped(link, thread, dict(body, allThreadsStopped=False))
+        elif name == "continued":
+            mine = self.threads.stopped(link)
+            self.threads.resume(mine if body.get("allThreadsContinued") else [t for t in mine if t == thread])
+            self.ids.forget(link, (FRAME, VARIABLE))  # its frames and variables are gone
+        elif name == "thread":
+            self.threads.event("thread", body)
+
+    def kernel_event(self, event: dict) -> None:
+        """A DAP event from the kernel's own debugpy (ipykernel's event_callback)."""
+        name = event.get("event")
+        body = dict(event.get("body") or {})
+        thread = body.get("threadId")
+        if name == "stopped" and thread is not None:
+            if self._links:
+                body["allThreadsStopped"] = False  # the ranks still run
+            self.threads.on_stopped(None, thread, body)
+        elif name == "continued":
+            mine = self.threads.stopped(None)
+            self.threads.resume(mine if body.get("allThreadsContinued") else [t for t in mine if t == thread])
+        else:
+            self.threads.event(str(name), body)
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    async def handle(self, request: dict) -> dict:
+        """Answer one debug_request from the frontend (ipykernel's ``do_debug_request``)."""
+        command = request.get("command", "")
+        special = getattr(self, "_on_" + command, None)
+        if special is not None:
+            return await special(request)
+        return await self._by_ids(request)
+
+    async def _kernel(self, request: dict) -> dict:
+        return await self.kernel_debugger.process_request(request)
+
+    async def _blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn`` on a worker thread: the control loop stays free meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    async def _ask(self, link: RankLink, request: dict, command: Optional[str] = None,
+                   arguments: Optional[dict] = None) -> dict:
+        """``request`` (the frontend's; or ``command``/``arguments`` on its behalf) on rank
+        ``link``, ids renumbered both ways; the answer as the frontend's reply."""
+        if command is None:
+            command = str(request.get("command", ""))
+            arguments = self._localize(link, request.get("arguments") or {})
+            if arguments is None:
+                return reply(request, False, message="this id is stale: the rank ran on since")
+        pending = link.send(command, arguments)
+        await self._blocking(self.waiter.wait, [pending], ANSWER_TIMEOUT)
+        why = pending.failure()
+        if why:
+            return reply(request, False, message=why)
+        assert pending.answer is not None
+        body = self.ids.map(pending.answer.get("body") or {}, lambda kind, v: self.ids.to_global(kind, link, v))
+        return reply(request, True, body)
+
+    def _localize(self, link: RankLink, arguments: dict) -> Optional[dict]:
+        """The frontend's arguments with ``link``'s global ids made its own; None if an id is
+        another's (or stale)."""
+        wrong: list[Any] = []
+
+        def local(kind: str, value: Any) -> Any:
+            if not self.ids.is_rank(value):
+                return value
+            found = self.ids.to_local(kind, value)
+            if found is None or found[0] is not link:
+                wrong.append(value)
+                return value
+            return found[1]
+
+        out = self.ids.map(arguments, local)
+        return None if wrong else out
+
+    def _rank_of(self, arguments: dict) -> Optional[RankLink]:
+        """The rank whose id ``arguments`` name (None: the kernel's, or none)."""
+        for key in ("threadId", "frameId", "srcFrameId", "variablesReference"):
+            link = self.ids.link_of(arguments.get(key))
+            if link is not None:
+                return link
+        return None
+
+    async def _by_ids(self, request: dict) -> dict:
+        """The kernel's request, or a rank's when an id in it is a rank's."""
+        arguments = request.get("arguments") or {}
+        link = self._rank_of(arguments)
+        if link is None:
+            if self.ids.is_rank(arguments.get("threadId")) or self.ids.is_rank(arguments.get("frameId")) \
+                    or self.ids.is_rank(arguments.get("variablesReference")):
+                return reply(request, False, message="this id is stale: the rank ran on, or is gone")
+            return await self._kernel(request)
+        if link.gone:
+            return reply(request, False, message=f"rank {link.rank} is gone")
+        return await self._ask(link, request)
+
+    # -- requests that every debugger takes ---------------------------------------------------------------
+
+    async def _on_debugInfo(self, request: dict) -> dict:
+        answer = await self._kernel(request)
+        body = answer.get("body")
+        if isinstance(body, dict):
+            body["stoppedThreads"] = sorted(set(body.get("stoppedThreads") or []) | set(self.threads.stopped()))
+        return answer
+
+    async def _on_attach(self, request: dict) -> dict:
+        answer = await self._kernel(request)
+        if answer.get("success"):
+            self.attached = True
+            failures = await self._blocking(self.attach_all)
+            if failures:
+                answer = dict(answer, message="; ".join(failures))
+        return answer
+
+    async def _on_disconnect(self, request: dict) -> dict:
+        if self.attached:
+            self.attached = False
+            await self._blocking(self.detach_all)
+        with self._lock:
+            self._breakpoints.clear()
+            self._other_setup.clear()
+        return await self._kernel(request)
+
+    async def _on_dumpCell(self, request: dict) -> dict:
+        answer = await self._kernel(request)
+        path = (answer.get("body") or {}).get("sourcePath")
+        code = (request.get("arguments") or {}).get("code")
+        if answer.get("success") and isinstance(path, str) and isinstance(code, str):
+            with self._lock:
+                self._cells[path] = code
+            await self._everywhere("mpifyWriteCell", {"path": path, "code": code})
+        return answer
+
+    async def _on_setBreakpoints(self, request: dict) -> dict:
+        arguments = request.get("arguments") or {}
+        path = (arguments.get("source") or {}).get("path")
+        answer = await self._kernel(request)
+        if isinstance(path, str):
+            with self._lock:
+                if arguments.get("breakpoints"):
+                    self._breakpoints[path] = arguments
+                else:
+                    self._breakpoints.pop(path, None)
+        failures = await self._everywhere("setBreakpoints", arguments)
+        if not answer:  # the kernel's debugger is not started: the ranks' setup stands
+            answer = reply(request, True, {"breakpoints": [dict(b, verified=True) for b in
+                                                           arguments.get("breakpoints") or []]})
+        return dict(answer, message="; ".join(failures)) if failures else answer
+
+    async def _on_setExceptionBreakpoints(self, request: dict) -> dict:
+        return await self._setup_everywhere(request)
+
+    async def _on_setFunctionBreakpoints(self, request: dict) -> dict:
+        return await self._setup_everywhere(request)
+
+    async def _setup_everywhere(self, request: dict) -> dict:
+        arguments = request.get("arguments") or {}
+        with self._lock:
+            self._other_setup[request.get("command", "")] = arguments
+        answer = await self._kernel(request)
+        failures = await self._everywhere(request.get("command", ""), arguments)
+        return dict(answer, message="; ".join(failures)) if failures and answer else answer
+
+    async def _everywhere(self, command: str, arguments: dict) -> list[str]:
+        """``command`` on every attached rank; why some failed."""
+        pendings = [link.send(command, arguments) for link in self.links()]
+        if pendings:
+            await self._blocking(self.waiter.wait, pendings, ANSWER_TIMEOUT)
+        return [p.failure() for p in pendings if p.failure()]
+
+    async def _on_threads(self, request: dict) -> dict:
+        if self.attached:
+            await self._blocking(self.attach_all)  # ranks started since the frontend attached
+        links = self.links()
+        pendings = [link.send("threads") for link in links]
+        kernel = await self._kernel(request)
+        if pendings:
+            await self._blocking(self.waiter.wait, pendings, ANSWER_TIMEOUT)
+        threads: list[dict] = []
+        for pending in pendings:
+            if pending.answer is None or not pending.answer.get("success"):
+                continue
+            link = pending.link
+            for thread in (pending.answer.get("body") or {}).get("threads") or []:
+                threads.append({"id": self.ids.to_global(THREAD, link, thread.get("id")),
+                                "name": f"rank {link.rank} / {thread.get('name', '?')}"})
+        for thread in (kernel.get("body") or {}).get("threads") or []:
+            name = str(thread.get("name", "?"))
+            if not name.startswith("mpify_nb"):  # this library's own threads in the kernel
+                threads.append(dict(thread, name=f"kernel / {name}"))
+        return reply(request, True, {"threads": threads})
+
+    # -- requests about one thread ----------------------------------------------------------------
+
+    async def _on_stackTrace(self, request: dict) -> dict:
+        thread = (request.get("arguments") or {}).get("threadId")
+        if not self.threads.is_stopped(thread):
+            return reply(request, False, message=f"thread {thread} is running: it has no stack to show")
+        answer = await self._by_ids(request)
+        body = answer.get("body")
+        link = self.ids.link_of(thread)
+        if link is not None and isinstance(body, dict):
+            body["stackFrames"] = [dict(f, id=self.ids.to_global(FRAME, link, f.get("id")))
+                                   for f in _users_frames(body.get("stackFrames") or [])]
+            body["totalFrames"] = len(body["stackFrames"])
+        return answer
+
+    async def _on_variables(self, request: dict) -> dict:
+        answer = await self._by_ids(request)
+        body = answer.get("body")
+        if self.ids.is_rank((request.get("arguments") or {}).get("variablesReference")) and isinstance(body, dict):
+            body["variables"] = [v for v in body.get("variables") or [] if visible(str(v.get("name", "")))]
+        return answer
+
+    async def _on_continue(self, request: dict) -> dict:
+        return await self._resume(request)
+
+    async def _on_next(self, request: dict) -> dict:
+        return await self._resume(request)
+
+    async def _on_stepIn(self, request: dict) -> dict:
+        return await self._resume(request)
+
+    async def _on_stepOut(self, request: dict) -> dict:
+        return await self._resume(request)
+
+    async def _resume(self, request: dict) -> dict:
+        """continue / next / stepIn / stepOut: on every stopped thread, or on one with
+        ``singleThread``; a thread that runs is answered here (debugpy would never answer)."""
+        command = request.get("command", "")
+        arguments = request.get("arguments") or {}
+        thread: Any = arguments.get("threadId")
+        single = bool(arguments.get("singleThread"))
+        if not self.threads.is_stopped(thread):
+            if command == "continue":
+                return reply(request, True, {"allThreadsContinued": False})
+            return reply(request, False, message=f"thread {thread} is not stopped: only a stopped thread steps")
+        targets = [thread] if single else self.threads.stopped()
+        # one request per debugger: the kernel's own, or a rank's (each with its own thread id)
+        kernel_threads = [t for t in targets if self.threads.source_of(t) is None]
+        by_link: dict[int, tuple[RankLink, int]] = {}
+        for t in targets:
+            found = self.ids.to_local(THREAD, t)
+            if found is not None and id(found[0]) not in by_link:
+                by_link[id(found[0])] = (found[0], found[1])
+        self.threads.resume(targets, requested=thread)  # one continued, now: before any new stop
+        self.threads.focus(thread)
+        pendings = []
+        for link, local in by_link.values():
+            extra = {"singleThread": True} if single else {}
+            pendings.append(link.send(command, dict(arguments, threadId=local, **extra)))
+            self.ids.forget(link, (FRAME, VARIABLE))
+        failures: list[str] = []
+        if kernel_threads:
+            answer = await self._kernel(dict(request, arguments=dict(arguments, threadId=kernel_threads[0])))
+            if not answer.get("success"):
+                failures.append(f"kernel: {answer.get('message') or command + ' failed'}")
+        if pendings:
+            await self._blocking(self.waiter.wait, pendings, ANSWER_TIMEOUT)
+            failures += [p.failure() for p in pendings if p.failure()]
+        if single:
+            self.threads.republish_latest()
+        body = {"allThreadsContinued": not single} if command == "continue" else None
+        if failures:
+            return reply(request, False, body, "; ".join(failures))
+        return reply(request, True, body)
+
+    async def _on_richInspectVariables(self, request: dict) -> dict:
+        arguments = request.get("arguments") or {}
+        found = self.ids.to_local(FRAME, arguments.get("frameId"))
+        name = str(arguments.get("variableName", ""))
+        if found is None or not name.isidentifier():
+            return await self._kernel(request)
+        link, frame = found
+        expression = f"__import__('mpify_nb.rank.debugger', fromlist=['rich']).rich({name})"
+        answer = await self._ask(link, request, "evaluate",
+                                 {"expression": expression, "frameId": frame, "context": "clipboard"})
+        if not answer.get("success"):
+            return answer
+        result = (answer.get("body") or {}).get("result", "")
+        try:
+            text = ast.literal_eval(result)
+        except (ValueError, SyntaxError):
+            text = result
+        try:
+            rich = json.loads(text)
+        except (TypeError, ValueError):
+            return reply(request, False, message=f"rank {link.rank} could not show {name}: {result[:200]}")
+        return reply(request, True, {"data": rich.get("data", {}), "metadata": rich.get("metadata", {})})
+
+    async def _on_copyToGlobals(self, request: dict) -> dict:
+        arguments = request.get("arguments") or {}
+        found = self.ids.to_local(FRAME, arguments.get("srcFrameId"))
+        if found is None:
+            return await self._kernel(request)
+        destination, source = str(arguments.get("dstVariableName", "")), str(arguments.get("srcVariableName", ""))
+        if not destination.isidentifier() or not source.isidentifier():
+            return reply(request, False, message="dstVariableName and srcVariableName must be valid identifiers")
+        link, frame = found
+        return await self._ask(link, request, "setExpression",
+                               {"expression": f"globals()['{destination}']", "value": source, "frameId": frame})
