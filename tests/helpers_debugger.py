@@ -107,6 +107,7 @@ class DebugFrontend:
         self._reader.start()
         self._seq = 0
         self.info: dict = {}
+        self.paths: set[str] = set()  # cells with breakpoints set
 
     # -- IOPub ---------------------------------------------------------------------------------
 
@@ -245,7 +246,13 @@ class DebugFrontend:
         reply = self.dap("setBreakpoints", source={"path": path}, breakpoints=[{"line": n} for n in lines],
                          lines=lines, sourceModified=False)
         assert reply["success"], reply
+        self.paths.add(path)
         return path
+
+    def clear_breakpoints(self) -> None:
+        for path in sorted(self.paths):
+            self.dap("setBreakpoints", source={"path": path}, breakpoints=[], lines=[], sourceModified=False)
+        self.paths.clear()
 
     def panel(self, thread: int) -> dict:
         """What JupyterLab fetches at a stop of ``thread``: stack, scopes, the top frame's locals

@@ -11,7 +11,8 @@ panel on the thread the user works with::
     a thread resumes on its own       -> continued (the stop button let a rank go, say)
     a rank dies or is restarted       -> continued (if it was stopped), then thread exited
     after "next" on rank 1 with rank 0 stopped too: rank 0's new stop is held back (at most
-                                        FOCUS_WAIT) until rank 1's, so the panel stays on rank 1
+                                        FOCUS_WAIT) until rank 1's, or rank 1's is shown again after
+                                        it, so the panel stays on rank 1
 
 A rank's messages travel in order on its channel, so its continued always arrives before its
 next stop: a late continued can never wipe the panel after a stop.
@@ -61,20 +62,24 @@ class Threads:
     def on_stopped(self, source: Any, thread: int, body: dict) -> None:
         """``thread`` (a global id) stopped; ``body`` is its stopped event's, renumbered."""
         body = dict(body, threadId=thread)
+        after = None
         with self._lock:
             self._stopped.pop(thread, None)
             self._stopped[thread] = (source, body)
             if source is not None:
                 source.engine.pause(source.rank)
-            focus = self._focus
-            if focus is not None and thread != focus and time.monotonic() < self._focus_until \
-                    and focus not in self._stopped:
-                self._held.append(thread)
-                return
-            release = self._take_held() if thread == focus or focus is None else []
+            focus = self._focus if time.monotonic() < self._focus_until else None
+            if focus is not None and thread != focus:
+                if focus not in self._stopped:  # shown once the focus stops (or its time is up)
+                    self._held.append(thread)
+                    return
+                after = focus  # the focus stopped first: shown again, last, so the panel stays there
+            release = self._take_held() if thread == focus else []
         for held in release:
             self._publish_stop(held)
         self.event("stopped", body)
+        if after is not None:
+            self._publish_stop(after)
 
     def _announce_continued(self, resumed: list[int], requested: Optional[int], remaining: bool) -> list[int]:
         if resumed:
@@ -140,13 +145,13 @@ class Threads:
 
     def _take_held(self) -> list[int]:
         held, self._held = self._held, []
-        self._focus = None
         return held
 
     def _focus_over(self) -> None:
         with self._lock:
             if time.monotonic() < self._focus_until - 0.01:
                 return  # a newer focus has its own timer
+            self._focus = None
             release = self._take_held()
         for held in release:
             self._publish_stop(held)
