@@ -302,3 +302,42 @@ def test_a_rank_that_dies_while_stopped_exits_and_restart_debugs_again(nb):
     assert nb.dap("continue", threadId=fresh[1])["success"]
     cell = nb.finish(cell)
     assert cell.status == "ok" and cell.results == ["[rank 0] tensor([1.])\n[rank 1] tensor([1.])"]
+
+
+# -- turning it on and off, before and after %dist_init --------------------------------------------
+
+def test_turned_on_after_and_before_dist_init_off_again_and_ranks_pay_nothing_until_then(tmp_path):
+    f = DebugFrontend(str(tmp_path))
+    try:
+        f.ok("%load_ext mpify_nb")
+        f.ok("%dist_init -n 2")
+        # nothing of the debugger in the ranks until the frontend turns it on
+        assert f.ok("import sys\n'debugpy' in sys.modules").results == ["[rank 0] False\n[rank 1] False"]
+        code = "on1 = rank + 1\non2 = on1 + 1\non2"
+        f.enable()
+        f.breakpoints(code, [2])
+        cell = f.start(code)
+        threads = stops(f, 2)
+        assert f.dap("continue", threadId=min(threads))["success"]
+        assert f.finish(cell).results == ["[rank 0] 2\n[rank 1] 3"]
+        # off: breakpoints gone, cells untraced again
+        assert f.dap("disconnect", restart=False, terminateDebuggee=False)["success"]
+        assert f.ok(code).results == ["[rank 0] 2\n[rank 1] 3"]
+        assert f.ok("sys.gettrace() is None").results == ["[rank 0] True\n[rank 1] True"]
+        assert [e for e in f.drain_events() if e["event"] == "stopped"] == []
+        f.ok("%dist_shutdown")
+        # on again before the ranks exist: they are attached before their first cell
+        f.enable()
+        f.breakpoints(code, [2])
+        f.ok("%dist_init -n 2")
+        cell = f.start(code)
+        threads = stops(f, 2)
+        assert sorted(rank_threads(f).values()) == sorted(threads)
+        assert f.dap("continue", threadId=min(threads))["success"]
+        assert f.finish(cell).results == ["[rank 0] 2\n[rank 1] 3"]
+        f.ok("%dist_shutdown")
+        exited = {f.next_event("thread", reason="exited")["body"]["threadId"] for _ in range(2)}
+        assert exited == set(threads)
+        assert [name for name in f.thread_names().values() if name.startswith("rank")] == []
+    finally:
+        f.close()

@@ -48,7 +48,7 @@ _CHUNK = 1 << 16
 _lock = threading.Lock()
 _bridge: Optional[_Bridge] = None
 _attached = False  # a frontend is attached now: the main thread is traced while it runs user code
-_armed_trace: Any = None  # the trace function arm() gave the main thread
+_armed = False  # arm() traces the main thread
 
 
 def _mark(thread: threading.Thread) -> None:
@@ -222,21 +222,20 @@ def _on_debug(state: Any, control: socket.socket, req_id: int, body: Any) -> Non
 def arm() -> None:
     """On the main thread, before a request that runs user code: traced while a frontend is
     attached (so its breakpoints stop here), untraced once it has detached."""
-    global _armed_trace
+    global _armed
     bridge = _bridge
     if bridge is None:
         return  # the common case: no frontend ever turned its debugger on
     pydevd = sys.modules.get("pydevd")
     if pydevd is None or not bridge.ready or bridge.failed:
         return
-    current = sys.gettrace()
     if _attached:
-        if current is None:  # first time, or an interrupt ended the trace (a trace that raises is unset)
+        if sys.gettrace() is None:  # first time, or an interrupt ended the trace (a trace that raises is unset)
             pydevd.get_global_debugger().enable_tracing()
-            _armed_trace = sys.gettrace()
-    elif current is not None and current is _armed_trace:
+            _armed = True
+    elif _armed:
         pydevd.get_global_debugger().disable_tracing()
-        _armed_trace = None
+        _armed = False
 
 
 def _held() -> list[threading.Thread]:
@@ -274,11 +273,11 @@ def rich(obj: Any) -> str:
 def _forked() -> None:
     """A process this rank forks (a DataLoader worker) is not debugged: nothing would answer
     its stops, so it would hang at the first breakpoint."""
-    global _bridge, _attached, _armed_trace
+    global _bridge, _attached, _armed
     bridge = _bridge
     if bridge is None:
         return
-    _bridge, _attached, _armed_trace = None, False, None
+    _bridge, _attached, _armed = None, False, False
     tracing = sys.modules.get("pydevd_tracing")
     try:
         if tracing is not None:
