@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager

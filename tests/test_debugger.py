@@ -18,7 +18,6 @@ pytest.importorskip("debugpy")
 pytest.importorskip("jupyter_client")
 
 from helpers_debugger import DebugFrontend  # noqa: E402
-
 from mpify_nb.debugger.ids import BASE  # noqa: E402
 
 
@@ -193,11 +192,13 @@ def test_continue_one_rank_with_single_thread(nb):
     assert nb.dap("debugInfo")["body"]["stoppedThreads"] == [threads[1]]
     running = nb.dap("stackTrace", threadId=threads[0])
     assert not running["success"] and "running" in running["message"]
-    # a continue for a thread that runs is answered here (debugpy would never answer it)
-    assert nb.dap("continue", threadId=threads[0])["body"] == {"allThreadsContinued": False}
+    # a continue of one thread that runs is answered here (debugpy would never answer it)
+    assert nb.dap("continue", threadId=threads[0], singleThread=True)["body"] == {"allThreadsContinued": False}
     assert not nb.dap("next", threadId=threads[0])["success"]
     assert nb.panel(threads[1])["locals"]["s1"] == "1"
-    assert nb.dap("continue", threadId=threads[1])["success"]
+    # JupyterLab's continue names thread 1 (the kernel's) whichever stopped: every stopped thread goes on
+    assert nb.dap("continue", threadId=1)["body"] == {"allThreadsContinued": True}
+    assert nb.next_event("continued")["body"] == {"threadId": threads[1], "allThreadsContinued": True}
     cell = nb.finish(cell)
     assert cell.status == "ok" and cell.results == ["[rank 0] 1\n[rank 1] 2"]
 

@@ -13,9 +13,10 @@ every rank, the answers merged; anything else is the kernel's, as before::
     threads                    "kernel / MainThread"                 "rank k / MainThread"
     stackTrace / scopes /      when the id is the kernel's           when the id is rank k's
       variables / evaluate ...
-    continue / next / step*    for a stopped thread only: every stopped thread (one, with
-                               singleThread); one continued event (threads.py). For a running
-                               thread: answered here, never forwarded (debugpy would never answer)
+    continue / next / step*    every stopped thread (one, with singleThread); one continued
+                               event (threads.py). Nothing stopped, or a step of a running
+                               thread: answered here, never forwarded (debugpy would never answer;
+                               JupyterLab's continue names thread 1 whichever thread stopped)
     disconnect                 last                                  breakpoints cleared, let go
 
 Waits for ranks run in a worker thread (the control loop stays free for the kernel's own debugpy)
@@ -257,9 +258,7 @@ class Hub:
         """Answer one debug_request from the frontend (ipykernel's ``do_debug_request``)."""
         command = request.get("command", "")
         special = getattr(self, "_on_" + command, None)
-        if special is not None:
-            return await special(request)
-        return await self._by_ids(request)
+        return await special(request) if special is not None else await self._by_ids(request)
 
     async def _kernel(self, request: dict) -> dict:
         return await self.kernel_debugger.process_request(request)
@@ -461,11 +460,16 @@ class Hub:
         arguments = request.get("arguments") or {}
         thread: Any = arguments.get("threadId")
         single = bool(arguments.get("singleThread"))
-        if not self.threads.is_stopped(thread):
+        everything = command == "continue" and not single  # DAP: continue resumes every thread
+        stopped = self.threads.stopped()
+        if everything and stopped:
+            # JupyterLab asks with thread 1 whatever stopped (it forgets the thread before asking)
+            thread = thread if thread in stopped else stopped[-1]
+        elif not self.threads.is_stopped(thread):
             if command == "continue":
                 return reply(request, True, {"allThreadsContinued": False})
             return reply(request, False, message=f"thread {thread} is not stopped: only a stopped thread steps")
-        targets = [thread] if single else self.threads.stopped()
+        targets = [thread] if single else stopped
         # one request per debugger: the kernel's own, or a rank's (each with its own thread id)
         kernel_threads = [t for t in targets if self.threads.source_of(t) is None]
         by_link: dict[int, tuple[RankLink, int]] = {}
