@@ -56,6 +56,24 @@ class Cell:
     idle: bool = False
 
 
+def take_output(cell: Any, kind: str, content: dict) -> bool:
+    """What an IOPub message of the cell adds to ``cell`` (stdout, stderr, results, ename,
+    traceback, number); True when it says the kernel went idle."""
+    if kind == "stream":
+        if content["name"] == "stdout":
+            cell.stdout += content["text"]
+        else:
+            cell.stderr += content["text"]
+    elif kind in ("execute_result", "display_data"):
+        cell.results.append(content["data"].get("text/plain", ""))
+    elif kind == "error":
+        cell.ename = content["ename"]
+        cell.traceback = ANSI.sub("", "\n".join(content["traceback"]))
+    elif kind == "execute_input":
+        cell.number = content["execution_count"]
+    return kind == "status" and content["execution_state"] == "idle"
+
+
 def murmur2(data: str, seed: int) -> int:
     """JupyterLab's hash of a cell's code (as ipykernel's compiler.murmur2_x86)."""
     m = 0x5BD1E995
@@ -127,22 +145,8 @@ class DebugFrontend:
                 continue
             with self._lock:
                 cell = self.cells.get(msg["parent_header"].get("msg_id", ""))
-                if cell is None:
-                    continue
-                if kind == "stream":
-                    if content["name"] == "stdout":
-                        cell.stdout += content["text"]
-                    else:
-                        cell.stderr += content["text"]
-                elif kind in ("execute_result", "display_data"):
-                    cell.results.append(content["data"].get("text/plain", ""))
-                elif kind == "error":
-                    cell.ename = content["ename"]
-                    cell.traceback = ANSI.sub("", "\n".join(content["traceback"]))
-                elif kind == "execute_input":
-                    cell.number = content["execution_count"]
-                elif kind == "status" and content["execution_state"] == "idle":
-                    cell.idle = True
+                if cell is not None:
+                    cell.idle = take_output(cell, kind, content) or cell.idle
 
     def next_event(self, name: str, timeout: float = DAP_TIMEOUT, **body: Any) -> dict:
         """The next debug_event called ``name`` whose body has ``body``'s items (others before it
@@ -281,3 +285,64 @@ class DebugFrontend:
             self.km.shutdown_kernel(now=False)
         finally:
             nbutil.assert_no_leftovers(self.marker)
+
+
+class LabPanel:
+    """JupyterLab 4's debugger panel, as its DebuggerService behaves (read from its source):
+
+    - at ``stopped``: its stopped threads become that one thread; it fetches the stack of its
+      current thread (the first stopped one, else 1), the top frame's scopes and their variables;
+    - at ``continued``: that thread leaves the set and the panel is cleared;
+    - ``continue``: the current thread leaves the set *first*, so the request names thread 1;
+      ``next``, ``stepIn``, ``stepOut``: the current thread.
+    """
+
+    def __init__(self, front: DebugFrontend):
+        self.front = front
+        self.stopped: list[int] = []
+        self.frames: list[dict] = []
+        self.scopes: dict[str, dict[str, str]] = {}
+
+    def current(self) -> int:
+        return self.stopped[0] if self.stopped else 1
+
+    def handle(self, event: dict) -> None:
+        name, body = event.get("event"), event.get("body", {})
+        if name == "stopped":
+            self.stopped = [body["threadId"]]
+            self.refresh()
+        elif name == "continued":
+            if body.get("threadId") in self.stopped:
+                self.stopped.remove(body["threadId"])
+            self.frames, self.scopes = [], {}
+
+    def refresh(self) -> None:
+        stack = self.front.dap("stackTrace", threadId=self.current())
+        self.frames = stack.get("body", {}).get("stackFrames", []) if stack.get("success") else []
+        self.scopes = {}
+        if self.frames:
+            for scope in self.front.dap("scopes", frameId=self.frames[0]["id"])["body"]["scopes"]:
+                variables = self.front.dap("variables", variablesReference=scope["variablesReference"])
+                self.scopes[scope["name"]] = {v["name"]: v["value"] for v in variables["body"]["variables"]}
+
+    def take(self, stops: int, timeout: float = DAP_TIMEOUT) -> None:
+        """Handle events until ``stops`` stopped events have been handled."""
+        while stops > 0:
+            event = self._next(timeout)
+            self.handle(event)
+            stops -= event.get("event") == "stopped"
+
+    def _next(self, timeout: float) -> dict:
+        try:
+            return self.front.events.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no event within {timeout} s; seen: {self.front.event_log[-10:]}") from None
+
+    def press(self, command: str) -> dict:
+        """A toolbar button: continue, next, stepIn, stepOut."""
+        if command == "continue":
+            thread = self.current()
+            if thread in self.stopped:
+                self.stopped.remove(thread)
+            self.frames, self.scopes = [], {}
+        return self.front.dap(command, threadId=self.current())

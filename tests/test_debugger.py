@@ -17,7 +17,7 @@ pytest.importorskip("ipykernel")
 pytest.importorskip("debugpy")
 pytest.importorskip("jupyter_client")
 
-from helpers_debugger import DebugFrontend  # noqa: E402
+from helpers_debugger import DebugFrontend, LabPanel  # noqa: E402
 from mpify_nb.debugger.ids import BASE  # noqa: E402
 
 
@@ -326,6 +326,14 @@ def test_turned_on_after_and_before_dist_init_off_again_and_ranks_pay_nothing_un
         assert f.ok(code).results == ["[rank 0] 2\n[rank 1] 3"]
         assert f.ok("sys.gettrace() is None").results == ["[rank 0] True\n[rank 1] True"]
         assert [e for e in f.drain_events() if e["event"] == "stopped"] == []
+        # on again, the same ranks: their breakpoints come back with the panel
+        f.enable()
+        f.breakpoints(code, [2])
+        cell = f.start(code)
+        assert sorted(stops(f, 2)) == sorted(threads)
+        assert f.dap("continue", threadId=1)["success"]
+        assert f.finish(cell).results == ["[rank 0] 2\n[rank 1] 3"]
+        assert f.dap("disconnect", restart=False, terminateDebuggee=False)["success"]
         f.ok("%dist_shutdown")
         # on again before the ranks exist: they are attached before their first cell
         f.enable()
@@ -342,3 +350,27 @@ def test_turned_on_after_and_before_dist_init_off_again_and_ranks_pay_nothing_un
         assert [name for name in f.thread_names().values() if name.startswith("rank")] == []
     finally:
         f.close()
+
+
+def test_jupyterlabs_panel_through_a_stop_a_step_and_a_continue(nb):
+    """The panel as JupyterLab's DebuggerService drives it (helpers_debugger.LabPanel): it shows
+    the thread of the last stop, and its continue names thread 1 whatever stopped."""
+    panel = LabPanel(nb)
+    code = "lp = rank * 3\nlq = lp + 1\nlr = lq * 2\nlr"
+    nb.breakpoints(code, [2])
+    threads = rank_threads(nb)
+    ranks = {tid: rank for rank, tid in threads.items()}
+    cell = nb.start(code)
+    panel.take(2)
+    shown = ranks[panel.current()]
+    assert panel.frames[0]["line"] == 2 and panel.scopes["Locals"]["lp"] == str(shown * 3)
+    assert panel.press("next")["success"]
+    panel.take(2)
+    if ranks[panel.current()] != shown:  # the stepped rank stopped first: its stop comes again, last
+        panel.take(1)
+    assert ranks[panel.current()] == shown  # the panel stays on the rank it showed
+    assert panel.frames[0]["line"] == 3 and panel.scopes["Locals"]["lq"] == str(shown * 3 + 1)
+    answer = panel.press("continue")  # names thread 1, the kernel's: every stopped rank goes on
+    assert answer["success"] and answer["body"] == {"allThreadsContinued": True}
+    cell = nb.finish(cell)
+    assert cell.status == "ok" and cell.results == ["[rank 0] 2\n[rank 1] 8"]

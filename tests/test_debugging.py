@@ -25,6 +25,7 @@ from jupyter_client.kernelspec import KernelSpecManager  # noqa: E402
 from jupyter_client.manager import KernelManager  # noqa: E402
 
 import nbutil  # noqa: E402
+from helpers_debugger import take_output  # noqa: E402
 
 CELL_TIMEOUT = 120.0
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -96,21 +97,7 @@ class Frontend:
                     break
                 if msg["parent_header"].get("msg_id") != msg_id:
                     continue
-                kind, content = msg["msg_type"], msg["content"]
-                if kind == "stream":
-                    if content["name"] == "stdout":
-                        cell.stdout += content["text"]
-                    else:
-                        cell.stderr += content["text"]
-                elif kind in ("execute_result", "display_data"):
-                    cell.results.append(content["data"].get("text/plain", ""))
-                elif kind == "error":
-                    cell.ename = content["ename"]
-                    cell.traceback = ANSI.sub("", "\n".join(content["traceback"]))
-                elif kind == "execute_input":
-                    cell.number = content["execution_count"]
-                elif kind == "status" and content["execution_state"] == "idle":
-                    idle = True
+                idle = take_output(cell, msg["msg_type"], msg["content"]) or idle
             if reply is None:
                 try:
                     msg = self.kc.shell_channel.get_msg(timeout=0.005)

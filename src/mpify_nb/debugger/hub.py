@@ -423,7 +423,7 @@ class Hub:
 
     async def _on_stackTrace(self, request: dict) -> dict:
         thread = (request.get("arguments") or {}).get("threadId")
-        if not self.threads.is_stopped(thread):
+        if self.ids.is_rank(thread) and not self.threads.is_stopped(thread):
             return reply(request, False, message=f"thread {thread} is running: it has no stack to show")
         answer = await self._by_ids(request)
         body = answer.get("body")
@@ -465,13 +465,13 @@ class Hub:
         if everything and stopped:
             # JupyterLab asks with thread 1 whatever stopped (it forgets the thread before asking)
             thread = thread if thread in stopped else stopped[-1]
-        elif not self.threads.is_stopped(thread):
+        elif not self._stopped(thread):
             if command == "continue":
                 return reply(request, True, {"allThreadsContinued": False})
             return reply(request, False, message=f"thread {thread} is not stopped: only a stopped thread steps")
-        targets = [thread] if single else stopped
+        targets = [thread] if single else stopped + ([thread] if thread not in stopped else [])
         # one request per debugger: the kernel's own, or a rank's (each with its own thread id)
-        kernel_threads = [t for t in targets if self.threads.source_of(t) is None]
+        kernel_threads = [t for t in targets if not self.ids.is_rank(t)]
         by_link: dict[int, tuple[RankLink, int]] = {}
         for t in targets:
             found = self.ids.to_local(THREAD, t)
@@ -498,6 +498,12 @@ class Hub:
         if failures:
             return reply(request, False, body, "; ".join(failures))
         return reply(request, True, body)
+
+    def _stopped(self, thread: Any) -> bool:
+        """Is ``thread`` stopped? A kernel's thread also when its own debugger says so (debugpy
+        stops all the kernel's threads at once, and says so for one)."""
+        return self.threads.is_stopped(thread) or (
+            not self.ids.is_rank(thread) and thread in getattr(self.kernel_debugger, "stopped_threads", ()))
 
     async def _on_richInspectVariables(self, request: dict) -> dict:
         arguments = request.get("arguments") or {}

@@ -53,10 +53,6 @@ class Threads:
         with self._lock:
             return [g for g, (s, _body) in self._stopped.items() if source is ... or s is source]
 
-    def source_of(self, thread: int) -> Any:
-        with self._lock:
-            return self._stopped[thread][0] if thread in self._stopped else None
-
     # -- changes -------------------------------------------------------------------------------
 
     def on_stopped(self, source: Any, thread: int, body: dict) -> None:
