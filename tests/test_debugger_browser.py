@@ -1,6 +1,7 @@
 """End to end in a real browser (issue 29): JupyterLab in headless Chromium, its debugger panel on,
 a breakpoint clicked in the gutter of a cell that runs on 2 ranks, and the variables panel showing
-rank 1's local. A screenshot of the page is kept for the docs (docs/images/debugger-panel.png).
+rank 1's local, then a step. Screenshots of the page are kept for the docs (docs/images/debugger-panel.png,
+docs/images/debugger-step.png).
 
 Skipped where Debian's ``chromium``/``chromium-driver`` or JupyterLab and selenium are missing.
 Nothing is downloaded: selenium drives /usr/bin/chromium through /usr/bin/chromedriver.
@@ -127,6 +128,13 @@ def _run_cell(driver, index: int) -> None:
     webdriver.ActionChains(driver).key_down(Keys.SHIFT).send_keys(Keys.ENTER).key_up(Keys.SHIFT).perform()
 
 
+def _click_titled(driver, title: str) -> None:
+    """Click the call stack toolbar's button called ``title``."""
+    buttons = [b for b in driver.find_elements(By.XPATH, f"//*[@title='{title}']") if b.is_displayed()]
+    assert buttons, f"no {title!r} button in the call stack's toolbar"
+    buttons[0].click()
+
+
 def _output(driver, index: int) -> str:
     cell = driver.find_elements(By.CSS_SELECTOR, ".jp-Notebook .jp-CodeCell")[index]
     return "\n".join(o.text for o in cell.find_elements(By.CSS_SELECTOR, ".jp-OutputArea-output"))
@@ -175,9 +183,12 @@ def test_jupyterlab_debugger_panel_shows_rank_1_stopped_in_the_gutter_breakpoint
     assert "<module>" in callstack and "mpify_nb" not in callstack
     SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
     driver.save_screenshot(str(SCREENSHOT))
+    # next: rank 1 steps to line 4, its new local in the panel
+    _click_titled(driver, "Next (F10)")
+    _wait(driver, lambda d: [e for e in d.find_elements(By.CSS_SELECTOR, ".jp-DebuggerVariables")
+                             if "y" in e.text and "11" in e.text], "the variables panel never showed y = 11")
+    driver.save_screenshot(str(SCREENSHOT.with_name("debugger-step.png")))
     # continue: the cell finishes with both ranks' values
-    buttons = [b for b in driver.find_elements(By.XPATH, "//*[@title='Continue (F9)']") if b.is_displayed()]
-    assert buttons, "no Continue button in the call stack's toolbar"
-    buttons[0].click()
+    _click_titled(driver, "Continue (F9)")
     _wait(driver, lambda d: "[rank 1] 10" in _output(d, 2), "the cell did not finish after continue")
     assert "[rank 0] 0" in _output(driver, 2)

@@ -9,6 +9,7 @@ The packages, from the top down (each imports only from those below it; tests/te
 ==============================  ============================================================
 magics/                          %%ranch and the persistent ranks' magics (``%load_ext mpify_nb``)
 ddp.py, decorator.py, imports.py in_torchddp, @distributed, import_star
+debugger/                        the frontend's debugger panel across a Session's ranks (kernel side)
 launcher/, session/              ranch(): one call on short-lived ranks; Session: persistent ranks
 engine/                          the one owner of live ranks under both, and the caller's half of
                                  each capability (stdin prompts, widget comms, the stop button)
