@@ -283,11 +283,11 @@ class Engine:
                 return True
             by_fd: dict[int, tuple[str, Any]] = {}
             for m in list(self.members.values()):
-                if m.buried:
+                if m.buried or m.gone_told:  # a dead rank's channels say nothing more
                     continue
                 if m.control is not None and m.control.fileno() >= 0:
                     by_fd[m.control.fileno()] = ("control", m)
-                if m.process.death_fd is not None and not m.gone_told:
+                if m.process.death_fd is not None:
                     by_fd[m.process.death_fd] = ("death", m)
             if not by_fd:
                 time.sleep(wait)
