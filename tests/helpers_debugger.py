@@ -104,8 +104,9 @@ def murmur2(data: str, seed: int) -> int:
     return h
 
 
-class DebugFrontend:
-    """A kernel (this interpreter, nbutil's kernelspec) and a frontend with a debugger panel."""
+class KernelFrontend:
+    """A kernel (this interpreter, nbutil's kernelspec, tagged for the leftover check) and a
+    client to it; ``close()`` shuts it down and checks it left no process behind."""
 
     def __init__(self, cwd: str):
         self.marker = uuid.uuid4().hex
@@ -116,6 +117,20 @@ class DebugFrontend:
         self.kc = self.km.client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=60)
+
+    def close(self) -> None:
+        try:
+            self.kc.stop_channels()
+            self.km.shutdown_kernel(now=False)
+        finally:
+            nbutil.assert_no_leftovers(self.marker)
+
+
+class DebugFrontend(KernelFrontend):
+    """A kernel and a frontend with a debugger panel."""
+
+    def __init__(self, cwd: str):
+        super().__init__(cwd)
         self.events: queue.Queue = queue.Queue()  # debug_event contents, in order
         self.event_log: list[dict] = []  # every debug_event seen
         self.cells: dict[str, Cell] = {}
@@ -280,11 +295,7 @@ class DebugFrontend:
 
     def close(self) -> None:
         self._closing = True
-        try:
-            self.kc.stop_channels()
-            self.km.shutdown_kernel(now=False)
-        finally:
-            nbutil.assert_no_leftovers(self.marker)
+        super().close()
 
 
 class LabPanel:
