@@ -109,6 +109,14 @@ class Threads:
             self._timer.daemon = True
             self._timer.start()
 
+    def unfocus(self) -> None:
+        """A new call starts: the last one's focus means nothing to its stops (held ones are shown)."""
+        with self._lock:
+            self._focus = None
+            release = self._take_held()
+        for held in release:
+            self._publish_stop(held)
+
     def republish_latest(self) -> None:
         """Some threads stay stopped after others resumed: show the latest (JupyterLab shows the
         thread of the last stop, and cleared its panel at the continued)."""
