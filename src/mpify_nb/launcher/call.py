@@ -371,7 +371,9 @@ class _Call:
 
     def _on_wake(self, data: bytes) -> None:
         for signum in data:
-            if signum == signal.SIGINT and not self.own.is_our_signal():
+            # A SIGINT after a failure is ours (the stop of the caller's rank), or comes too late to
+            # change what the call raises; a process that ignores SIGINT keeps ignoring the user's.
+            if signum == signal.SIGINT and self.failure is None and not self.own.ignores_user_sigint:
                 # The user interrupted: stop every rank so the main thread can return.
                 with self.cond:
                     self.interrupted = True
@@ -462,7 +464,7 @@ class _Call:
         assert rank is not None
         with self.own.running(env, self.engine.wake_w):
             try:
-                with self.own.user_code():
+                with self.own.user_code(sys._getframe()):
                     if self.imports:
                         # As on every other rank, in __main__: the notebook keeps these names (as with mpify).
                         exec(compile(self.imports, "<imports>", "exec"), sys.modules["__main__"].__dict__)
