@@ -712,3 +712,8 @@ def interrupt_caller_then_return(caller_pid: int, directory: str) -> str:
     wait_for_file(sent)
     time.sleep(0.2)
     return "finished"
+
+
+def parent_pid() -> int:
+    """The process this rank was forked from (its template)."""
+    return os.getppid()

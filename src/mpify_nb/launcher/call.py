@@ -259,6 +259,8 @@ class _Call:
         if self.caller_rank is not None:
             own_rank.caller_rank_owner = threading.current_thread().name
         state = own_rank.CallerState.snapshot(self.caller_rank is not None)
+        if state.environ is not None:
+            template.set_caller_environ(state.environ)  # os.environ is rank 0's until restore()
         relay = self.engine.relay
         values: list = [None] * self.nprocs
         watcher: Optional[threading.Thread] = None
@@ -305,6 +307,8 @@ class _Call:
             with self.cond:
                 self.engine.close()
             state.restore()
+            if state.environ is not None:
+                template.set_caller_environ(None)
             state.disarm_ended_ddp(values)
             _learn_imports(bool(self.ranks), self.imported)
 
