@@ -717,3 +717,44 @@ def interrupt_caller_then_return(caller_pid: int, directory: str) -> str:
 def parent_pid() -> int:
     """The process this rank was forked from (its template)."""
     return os.getppid()
+
+
+def _until_the_stop_is_under_way() -> None:
+    """Wait (in Python, where a stop can land) until the caller's rank is being stopped, and a little more."""
+    import threading
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(t.name == "mpify_nb-stop" for t in threading.enumerate()):
+        time.sleep(0.01)
+    until = time.monotonic() + 0.3
+    while time.monotonic() < until:
+        time.sleep(0.01)
+
+
+def stopped_in_a_finalizer(directory: str, kind: str) -> str:
+    """Rank 0 runs a finalizer (``kind``: a ``__del__``, or a weakref callback) that lasts until its
+    stop is under way; rank 1 raises meanwhile. Rank 0 writes ``finalized`` when the finalizer ran
+    to its end, and ``not_stopped`` if nothing stopped it within 20 s after."""
+    import weakref
+
+    if rank() == 1:
+        wait_for_file(os.path.join(directory, "finalizing"))
+        raise ValueError("rank 1 fails while rank 0 finalizes")
+
+    def finalize(*_args: Any) -> None:
+        open(os.path.join(directory, "finalizing"), "w").close()
+        _until_the_stop_is_under_way()
+        open(os.path.join(directory, "finalized"), "w").close()
+
+    class Finalized:
+        def __del__(self) -> None:
+            finalize()
+
+    thing: Any = Finalized() if kind == "__del__" else type("Plain", (), {})()
+    keep = weakref.ref(thing, finalize) if kind == "weakref callback" else None
+    del thing  # the finalizer runs here, called by the interpreter (a callback: from C)
+    end = time.monotonic() + 20
+    while time.monotonic() < end:
+        time.sleep(0.01)
+    open(os.path.join(directory, "not_stopped"), "w").close()
+    return str(keep)

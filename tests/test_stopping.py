@@ -89,6 +89,20 @@ def test_a_peer_failing_while_the_callers_rank_imports_leaves_the_import_whole(w
     assert_next_call_works()
 
 
+@pytest.mark.parametrize("kind", ["__del__", "weakref callback"])
+def test_a_stop_is_not_lost_in_a_finalizer(kind, tmp_path):
+    """A stop raised inside a finalizer would be printed ("Exception ignored in ...") and lost, and
+    rank 0 would run on. A ``__del__`` is waited out (it shows in the frames); a weakref callback,
+    which does not, swallows the stop, which is raised again at the next safe point."""
+    with pytest.raises(RankRaisedError) as info:
+        mpify_nb.ranch(2, hr.stopped_in_a_finalizer, str(tmp_path), kind, timeout=NO_HANG)
+    assert (info.value.rank, info.value.exc_message) == (1, "rank 1 fails while rank 0 finalizes")
+    assert not (tmp_path / "not_stopped").exists(), "the stop was lost: rank 0 ran on"
+    if kind == "__del__":
+        assert (tmp_path / "finalized").exists(), "the __del__ was cut short"
+    assert_next_call_works()
+
+
 def test_the_stop_button_reaches_a_call_on_another_thread_after_its_import(slow_package, tmp_path, sigint_handler):
     """The stop button while a worker thread's call runs rank 0 inside an import: KeyboardInterrupt
     there once the import is over (Python itself would never interrupt that thread at all)."""

@@ -81,7 +81,7 @@ class OwnRank:
         os.environ.update(env)
         libraries.apply_thread_env(env)  # a torchrun rank starts with these threads
         restore_signals = self._take_sigint(wake_fd) if self.on_main_thread else None
-        restore_hook = self._watch_unraisable()
+        restore_hook = self.stop.watch_unraisable()
         try:
             yield
         finally:
@@ -132,23 +132,6 @@ class OwnRank:
             _taking_sigint.discard(self)
             signal.set_wakeup_fd(old_wakeup, warn_on_full_buffer=False)
             signal.signal(signal.SIGINT, old_handler)
-
-        return restore
-
-    def _watch_unraisable(self) -> Callable[[], None]:
-        """A stop raised where Python cannot propagate it (a ``__del__``, a weakref callback) is
-        reported to ``sys.unraisablehook``: it is raised again at the next safe point."""
-        previous = sys.unraisablehook
-
-        def hook(unraisable: Any) -> None:
-            self.stop.swallowed(unraisable)
-            previous(unraisable)
-
-        sys.unraisablehook = hook
-
-        def restore() -> None:
-            if sys.unraisablehook is hook:
-                sys.unraisablehook = previous
 
         return restore
 

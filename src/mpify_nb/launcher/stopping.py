@@ -11,8 +11,9 @@ attribute 'jit'``).
 
 So a stop is raised at a *safe point* only: between the thread's frame and the call's own, no
 frame of the import system (``importlib._bootstrap``, where every import runs, module top levels
-and extension inits included) and no module top level being initialized, and the import lock
-not held. Until then it waits, and is raised as soon as the thread is out::
+and extension inits included), no module top level being initialized and no finalizer
+(``__del__``: an exception there is lost, and its cleanup is cut short), and the import lock not
+held. Until then it waits, and is raised as soon as the thread is out::
 
     call's watch thread: abort()  ──>  SafeStop.request(Aborted)
                                           │  the "mpify_nb-stop" thread, while the rank's code runs:
@@ -25,10 +26,13 @@ not held. Until then it waits, and is raised as soon as the thread is out::
                  │
       own rank's handler, on that thread: ``take(frame)``: safe here? raise it : leave it for later
 
-An exception Python cannot raise where it landed (a ``__del__``, a weakref or gc callback: it goes
-to ``sys.unraisablehook``, "Exception ignored in ...") is not lost: it is raised again at the
-next safe point. A rank blocked in C (a collective) is still released: its peers are killed, the
-C call returns with an error, and the stop follows at its next bytecode.
+An exception Python cannot propagate where it landed (a weakref or gc callback, which no frame
+gives away: it goes to ``sys.unraisablehook``, "Exception ignored in ...") is not lost: it is
+raised again at the next safe point. Other Python code that C calls back (a hook, a
+``__torch_function__``) may be stopped: C code must handle an exception from a callback anyway
+(KeyboardInterrupt, MemoryError), and torch's does. A rank blocked in C (a collective) is still
+released: its peers are killed, the C call returns with an error, and the stop follows at its
+next bytecode.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import signal
 import sys
 import threading
 from types import FrameType
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 #: Seconds between two looks at a thread that was not at a safe point.
 _POLL = 0.01
@@ -47,8 +51,11 @@ _POLL = 0.01
 _IMPORTLIB_DIR = os.path.dirname(os.path.abspath(__import__("importlib").__file__))
 
 
-def _is_import_system(frame: FrameType) -> bool:
+def _is_unsafe(frame: FrameType) -> bool:
+    """The import system, a module's top level being run, a finalizer, or our unraisable hook."""
     code = frame.f_code
+    if code.co_name == "__del__" or code is _unraisable.__code__:
+        return True
     if code.co_filename.startswith(("<frozen importlib.", "<frozen zipimport")):
         return True
     if os.path.dirname(code.co_filename) == _IMPORTLIB_DIR:  # importlib unfrozen, importlib.util's LazyLoader
@@ -72,7 +79,7 @@ def unsafe_frame(frame: Optional[FrameType], base: Optional[FrameType]) -> Optio
         pass
     found = None
     while frame is not None and frame is not base:
-        if _is_import_system(frame):
+        if _is_unsafe(frame):
             found = frame
         frame = frame.f_back
     return found
@@ -98,7 +105,6 @@ class SafeStop:
         self._raised = False  # it was raised (as far as we know: see swallowed())
         self._signal_out = False  # a SIGINT of ours is on its way to the main thread
         self._thread: Optional[threading.Thread] = None
-        self.deferred = 0  # times it found the thread where it could not stop it (tests read it)
 
     @property
     def inside(self) -> bool:
@@ -141,15 +147,29 @@ class SafeStop:
             if self._wanted is None or self._raised or not self._inside:
                 return None, ours
             if unsafe_frame(frame, self._base) is not None:
-                self.deferred += 1
                 self._cond.notify_all()  # the stop thread looks again, and sends another once safe
                 return None, True
             self._raised = True
             return self._wanted, True
 
-    def swallowed(self, unraisable: Any) -> None:
-        """``sys.unraisablehook``'s news: an exception was raised where Python cannot propagate it
-        (a ``__del__``, a callback). Ours is raised again at the next safe point."""
+    def watch_unraisable(self) -> Callable[[], None]:
+        """Until the returned function is called: a stop raised where Python cannot propagate it
+        (a weakref callback) reaches ``sys.unraisablehook``, and is raised again at the next safe
+        point. (Its report is written first, outside any stop: the hook is not a safe point.)"""
+        previous = sys.unraisablehook
+
+        def hook(unraisable: Any) -> None:
+            _unraisable(self, previous, unraisable)
+
+        sys.unraisablehook = hook
+
+        def restore() -> None:
+            if sys.unraisablehook is hook:
+                sys.unraisablehook = previous
+
+        return restore
+
+    def _swallowed(self, unraisable: Any) -> None:
         with self._cond:
             if self._wanted is not None and self._raised and isinstance(unraisable.exc_value, self._wanted):
                 self._raised = False
@@ -165,7 +185,6 @@ class SafeStop:
                     continue
                 frames = sys._current_frames()  # the GIL is ours: its frame cannot move meanwhile
                 if unsafe_frame(frames.get(self.thread_id), self._base) is not None:
-                    self.deferred += 1
                     del frames
                     self._cond.wait(_POLL)
                     continue
@@ -186,7 +205,6 @@ class SafeStop:
         if unsafe_frame(sys._current_frames().get(self.thread_id), self._base) is None:
             return True
         set_async_exception(self.thread_id, None)
-        self.deferred += 1
         return False
 
     def forget_in_child(self) -> None:
@@ -194,3 +212,12 @@ class SafeStop:
         self._cond = threading.Condition()
         self._thread = None
         self._inside = False
+
+
+def _unraisable(stop: SafeStop, previous: Callable[[Any], None], unraisable: Any) -> None:
+    """sys.unraisablehook while a stop may come: report as before, then let the stop come again.
+    Its frame is never a safe point (see _is_unsafe): a stop landing in the report would be lost."""
+    try:
+        previous(unraisable)
+    finally:
+        stop._swallowed(unraisable)
