@@ -758,3 +758,18 @@ def stopped_in_a_finalizer(directory: str, kind: str) -> str:
         time.sleep(0.01)
     open(os.path.join(directory, "not_stopped"), "w").close()
     return str(keep)
+
+
+def replace_sigint_handler_then_loop(directory: str) -> str:
+    """Rank 0 (the caller) puts its own SIGINT handler in place, as accelerate's notebook_launcher
+    does, then loops in Python; rank 1 raises after that. ``not_stopped``: nothing stopped rank 0."""
+    if rank() == 1:
+        wait_for_file(os.path.join(directory, "replaced"))
+        raise ValueError("rank 1 fails after rank 0 replaced its SIGINT handler")
+    signal.signal(signal.SIGINT, lambda signum, frame: None)
+    open(os.path.join(directory, "replaced"), "w").close()
+    end = time.monotonic() + 20
+    while time.monotonic() < end:
+        time.sleep(0.01)
+    open(os.path.join(directory, "not_stopped"), "w").close()
+    return "not stopped"

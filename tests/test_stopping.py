@@ -103,6 +103,18 @@ def test_a_stop_is_not_lost_in_a_finalizer(kind, tmp_path):
     assert_next_call_works()
 
 
+def test_a_stop_reaches_the_callers_rank_after_its_code_replaced_the_sigint_handler(tmp_path):
+    """The user's code put its own SIGINT handler in place (accelerate's notebook_launcher does, for
+    good): the stop comes another way, and the caller's handler is its own again after the call."""
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(RankRaisedError) as info:
+        mpify_nb.ranch(2, hr.replace_sigint_handler_then_loop, str(tmp_path), timeout=NO_HANG)
+    assert (info.value.rank, info.value.exc_message) == (1, "rank 1 fails after rank 0 replaced its SIGINT handler")
+    assert not (tmp_path / "not_stopped").exists(), "the stop was lost: rank 0 ran on"
+    assert signal.getsignal(signal.SIGINT) is before
+    assert_next_call_works()
+
+
 def test_the_stop_button_reaches_a_call_on_another_thread_after_its_import(slow_package, tmp_path, sigint_handler):
     """The stop button while a worker thread's call runs rank 0 inside an import: KeyboardInterrupt
     there once the import is over (Python itself would never interrupt that thread at all)."""

@@ -124,6 +124,7 @@ class OwnRank:
             interrupts.interrupt_other_threads()  # one press stops every call
             raise KeyboardInterrupt
 
+        self.stop.handler = on_sigint
         old_handler = signal.signal(signal.SIGINT, on_sigint)
         old_wakeup = signal.set_wakeup_fd(wake_fd, warn_on_full_buffer=False)
         _taking_sigint.add(self)

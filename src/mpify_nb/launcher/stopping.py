@@ -20,9 +20,10 @@ held. Until then it waits, and is raised as soon as the thread is out::
                                           │  is the thread at a safe point now? (sys._current_frames;
                                           │  else look again in 10 ms)
                  ┌────────────────────────┴────────────────────────┐
-      the main thread: one SIGINT                       another thread: an asynchronous exception
-      (none while one is on its way: a rank             (PyThreadState_SetAsyncExc), looked at again
-      blocked in C gets no stream of EINTRs)            right after and taken back if it went unsafe
+      the main thread: one SIGINT (it ends a            another thread (or the main one when the user's
+      sleep; none while one is on its way: a rank       code replaced our SIGINT handler): an asynchronous
+      blocked in C gets no stream of EINTRs)            exception (PyThreadState_SetAsyncExc), looked at
+                                                        again right after, taken back if it went unsafe
                  │
       own rank's handler, on that thread: ``take(frame)``: safe here? raise it : leave it for later
 
@@ -105,6 +106,9 @@ class SafeStop:
         self._raised = False  # it was raised (as far as we know: see swallowed())
         self._signal_out = False  # a SIGINT of ours is on its way to the main thread
         self._thread: Optional[threading.Thread] = None
+        #: the main thread's SIGINT handler that calls take() (own_rank's); when the user's code
+        #: replaced it (accelerate's notebook_launcher does), a signal would not reach us
+        self.handler: Any = None
 
     @property
     def inside(self) -> bool:
@@ -189,10 +193,10 @@ class SafeStop:
                     self._cond.wait(_POLL)
                     continue
                 del frames
-                if self.on_main_thread:
+                if self.on_main_thread and signal.getsignal(signal.SIGINT) is self.handler:
                     self._signal_out = True
                     signal.pthread_kill(self.thread_id, signal.SIGINT)  # its handler calls take()
-                else:
+                else:  # another thread; or the main one, whose SIGINT handler is not ours any more
                     self._raised = self._raise_async()
                     if not self._raised:
                         self._cond.wait(_POLL)
