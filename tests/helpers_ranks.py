@@ -630,21 +630,30 @@ def describe_time_arrays(arrays: dict) -> dict:
 
 # -- the caller's rank stopped while it imports (test_stopping.py) ---------------------------
 
+def until_the_stop_is_under_way() -> None:
+    """Wait (in Python, where a stop can land) until the caller's rank is being stopped (a thread
+    "mpify_nb-stop" runs), and a little more."""
+    import threading
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(t.name == "mpify_nb-stop" for t in threading.enumerate()):
+        time.sleep(0.01)
+    until = time.monotonic() + 0.3
+    while time.monotonic() < until:
+        time.sleep(0.01)
+
+
 #: A package whose import, when ``SLOW_PACKAGE_WAIT`` names a directory, lasts until the caller's
-#: rank is being stopped (a thread "mpify_nb-stop" runs) and a little longer: a stop raised into
-#: its top level would drop it from sys.modules and keep ``.first``, the submodule it had finished.
+#: rank is being stopped: a stop raised into its top level would drop it from sys.modules and
+#: keep ``.first``, the submodule it had finished.
 SLOW_PACKAGE_INIT = '''\
-import os, threading, time
+import os
 from . import first
 _wait = os.environ.get("SLOW_PACKAGE_WAIT")
 if _wait:
+    import helpers_ranks
     open(os.path.join(_wait, "importing"), "w").close()
-    _deadline = time.monotonic() + 60
-    while time.monotonic() < _deadline and not any(t.name == "mpify_nb-stop" for t in threading.enumerate()):
-        time.sleep(0.01)
-    _until = time.monotonic() + 0.3
-    while time.monotonic() < _until:
-        time.sleep(0.01)
+    helpers_ranks.until_the_stop_is_under_way()
 from . import second
 done = True
 '''
@@ -719,18 +728,6 @@ def parent_pid() -> int:
     return os.getppid()
 
 
-def _until_the_stop_is_under_way() -> None:
-    """Wait (in Python, where a stop can land) until the caller's rank is being stopped, and a little more."""
-    import threading
-
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not any(t.name == "mpify_nb-stop" for t in threading.enumerate()):
-        time.sleep(0.01)
-    until = time.monotonic() + 0.3
-    while time.monotonic() < until:
-        time.sleep(0.01)
-
-
 def stopped_in_a_finalizer(directory: str, kind: str) -> str:
     """Rank 0 runs a finalizer (``kind``: a ``__del__``, or a weakref callback) that lasts until its
     stop is under way; rank 1 raises meanwhile. Rank 0 writes ``finalized`` when the finalizer ran
@@ -743,7 +740,7 @@ def stopped_in_a_finalizer(directory: str, kind: str) -> str:
 
     def finalize(*_args: Any) -> None:
         open(os.path.join(directory, "finalizing"), "w").close()
-        _until_the_stop_is_under_way()
+        until_the_stop_is_under_way()
         open(os.path.join(directory, "finalized"), "w").close()
 
     class Finalized:

@@ -90,6 +90,7 @@ def test_a_peer_failing_while_the_callers_rank_imports_leaves_the_import_whole(w
 
 
 @pytest.mark.parametrize("kind", ["__del__", "weakref callback"])
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the callback's swallowed stop
 def test_a_stop_is_not_lost_in_a_finalizer(kind, tmp_path):
     """A stop raised inside a finalizer would be printed ("Exception ignored in ...") and lost, and
     rank 0 would run on. A ``__del__`` is waited out (it shows in the frames); a weakref callback,
