@@ -223,7 +223,7 @@ class _Call:
         self.interrupted = False  # the user pressed stop (SIGINT)
         self.aborting = False  # we are stopping the ranks: their deaths are no news
         self.finished = False  # the caller's own rank is done; the watch may end
-        self.own = own_rank.OwnRank(self.cond)
+        self.own = own_rank.OwnRank()
         self.engine = core.Engine(OutputRelay(sys.stdout, sys.stderr), pump_output=False)
         self.engine.open_prompts()  # ranks' reads of stdin, asked of the user (on this thread)
         self.engine.on(READY, self._on_ready)

@@ -46,7 +46,6 @@ def _after_fork_in_child() -> None:
     handler and wakeup fd, and maybe our locks held by the watch or stop thread. The child is
     not the caller: give it Python's defaults back, so an interrupt there is its own business."""
     for own in list(_taking_sigint):
-        own.cond = threading.Condition()
         own.stop.forget_in_child()
         try:
             signal.set_wakeup_fd(-1)
@@ -62,8 +61,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 class OwnRank:
     """The caller's rank of one call, run on the calling thread."""
 
-    def __init__(self, cond: threading.Condition) -> None:
-        self.cond = cond  # the call's
+    def __init__(self) -> None:
         self.on_main_thread = threading.current_thread() is threading.main_thread()
         self.thread_id = threading.get_ident()
         self.stop = SafeStop(self.thread_id, self.on_main_thread)

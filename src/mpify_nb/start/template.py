@@ -158,10 +158,10 @@ class TemplateClient:
         self._held.update(found)
         return [n for n in names if n not in self._held]
 
-    def live_ranks(self) -> list[int]:
-        """The pids of the ranks it forked that have not exited."""
+    def live_count(self) -> int:
+        """Its ranks that live, or are being forked."""
         with self._cond:
-            return sorted(self._live)
+            return len(self._live) + len(self._in_flight)
 
     @property
     def retiring(self) -> bool:
@@ -251,7 +251,8 @@ class TemplateClient:
         if _process_state(self.pid) in ("T", "t"):
             # Stopped (SIGSTOP, a debugger): it would never answer. The next call starts a fresh one.
             self._proc.kill()
-            self.close("stopped (SIGSTOP?) and unresponsive, so this process killed it")
+            self._closed_why = "this process killed it: it was stopped (SIGSTOP?) and did not answer"
+            self.close()
             raise TemplateUnresponsive(f"the template process (pid {self.pid}) {what}: it is stopped "
                                        "(SIGSTOP?), so it was replaced")
         # Merely slow (a loaded machine): keep it, a later call will find it ready.
@@ -382,15 +383,16 @@ def _settle_candidate() -> bool:
         c.close("a preload failed in it")
         _candidate = None
         return True
-    if c.env_signature != _env_signature() or not preload.enabled():
-        c.abandon("a variable read at import time changed, or preloading was turned off")
-        _candidate = None  # ready or not: it can never serve
-        return True
-    if not c.ready:
+    usable = c.env_signature == _env_signature() and preload.enabled()
+    if usable and not c.ready:
         return False
     _candidate = None
-    for name, why in c.failed.items():
-        preload.mark_failed(name, why)
+    if c.ready:
+        for name, why in c.failed.items():
+            preload.mark_failed(name, why)
+    if not usable:  # ready or not: it can never serve
+        c.abandon("a variable read at import time changed, or preloading was turned off")
+        return True
     old, _client = _client, c
     if old is not None:
         old.retire(wait=False)  # its ranks, and those it is forking now, live on in it
@@ -545,9 +547,9 @@ def shutdown() -> bool:
         return True
     import warnings
 
-    warnings.warn(f"mpify_nb.template.shutdown(): the template (pid {client.pid}) still has live ranks (an open "
-                  "Session's, or a call's): it ends when they do, so close the Session to free its memory",
-                  RuntimeWarning, stacklevel=2)
+    warnings.warn(f"mpify_nb.template.shutdown(): the template (pid {client.pid}) still has {client.live_count()} "
+                  "live ranks (an open Session's, or a call's): it ends when they do, so close the Session to "
+                  "free its memory", RuntimeWarning, stacklevel=2)
     return False
 
 
