@@ -91,14 +91,24 @@ def ranch(
         RankError: a rank raised (``RankRaisedError``, with its traceback) or died
             (``RankExitedError``, with its exit code or signal).
         PayloadError: ``fn``, an argument or ``ctx`` cannot be pickled (a TypeError).
-        TimeoutError, KeyboardInterrupt.
+        TimeoutError: ``timeout`` ran out; every rank was stopped.
+        KeyboardInterrupt: the stop button (a kernel interrupt); every rank was stopped.
 
-    Example (a notebook cell)::
+    Example (a notebook cell):
 
-        import torch
-        def square(x):
-            return torch.tensor(x) ** 2 + int(os.environ["RANK"])
-        ranch(3, square, 4)        # -> [tensor(16), tensor(17), tensor(18)]
+    ```python
+    import os, torch
+    from mpify_nb import ranch
+
+    def square(x):
+        return torch.tensor(x) ** 2 + int(os.environ["RANK"])
+
+    ranch(3, square, 4)
+    ```
+
+    ```output
+    [tensor(16), tensor(17), tensor(18)]
+    ```
     """
     _check_arguments(nprocs, fn, caller_rank, ctx, timeout)
     _check_working_directory()

@@ -75,17 +75,45 @@ from .calls import Ranks, SessionCalls, check_timeout
 
 @dataclass
 class RankStatus:
-    """One row of :meth:`Session.status`."""
+    """One rank's row of :meth:`Session.status` (``%dist_status`` shows the same as a table).
+
+    Attributes:
+        rank: the rank.
+        pid: its process id (on its node).
+        state: ``"idle"``, ``"running"`` or ``"dead"``.
+        device: ``"cpu"`` or its GPU, ``"cuda:k"``.
+        rss: resident memory in bytes (None once dead, or on another host).
+        gpu_memory: bytes allocated by torch on its GPU; None without CUDA.
+        last_cell: the first line of the last thing it ran.
+        exit_detail: how it died ("" while it lives).
+        node: the address of the host it runs on (a Ray node's, under Ray).
+
+    Example (a notebook cell):
+
+    ```python
+    from mpify_nb import Session
+
+    with Session(2) as s:
+        s.run("x = rank * 10")
+        for row in s.status():
+            print(row.rank, row.state, row.last_cell, row.rss > 0)
+    ```
+
+    ```output
+    0 idle x = rank * 10 True
+    1 idle x = rank * 10 True
+    ```
+    """
 
     rank: int
     pid: int
-    state: str  # "idle", "running" or "dead"
+    state: str
     device: str
-    rss: Optional[int]  # resident memory, bytes (None once dead, or on another host)
-    gpu_memory: Optional[int]  # bytes allocated by torch on its GPU; None without CUDA
-    last_cell: str  # first line of the last thing it ran
-    exit_detail: str = ""  # how it died
-    node: str = "127.0.0.1"  # address of the host it runs on (a Ray node's, under Ray)
+    rss: Optional[int]
+    gpu_memory: Optional[int]
+    last_cell: str
+    exit_detail: str = ""
+    node: str = "127.0.0.1"
 
 
 class Session(SessionCalls):
@@ -104,13 +132,21 @@ class Session(SessionCalls):
     (``torch.distributed``) and ``torch``. The constructor returns once every rank is up
     and the group is ready.
 
-    Example (a notebook cell)::
+    Example (a notebook cell):
 
-        from mpify_nb import Session
-        with Session(2) as s:
-            s.run("t = torch.ones(2) * (rank + 1)")
-            s.run("dist.all_reduce(t); t")        # -> {0: tensor([3., 3.]), 1: tensor([3., 3.])}
-            s.pull("t", rank=None)                 # -> [tensor([3., 3.]), tensor([3., 3.])]
+    ```python
+    from mpify_nb import Session
+
+    with Session(2) as s:
+        s.run("t = torch.ones(2) * (rank + 1)")
+        print(s.run("dist.all_reduce(t); t"))     # the last expression's value, by rank
+        print(s.pull("t", rank=None))              # every rank's t
+    ```
+
+    ```output
+    {0: tensor([3., 3.]), 1: tensor([3., 3.])}
+    [tensor([3., 3.]), tensor([3., 3.])]
+    ```
     """
 
     #: How the error of a dead rank says to replace it (the magics say ``%dist_restart``).

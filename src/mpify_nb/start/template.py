@@ -505,11 +505,15 @@ def set_preload(modules: Union[bool, Sequence[str]] = True) -> None:
     ``site-packages``/the standard library, and leaves out a module that fails to import, that
     initializes CUDA, or that starts a thread or a process at import.
 
-    Example (a notebook cell)::
+    Example (a notebook cell; with ``["transformers.trainer", "lightning"]`` a warm call of a
+    Hugging Face or Lightning training function does not import them again):
 
-        import mpify_nb
-        mpify_nb.set_preload(["transformers.trainer", "lightning"])  # ready before the first call
-        mpify_nb.set_preload(False)                                  # every call imports afresh
+    ```python
+    import mpify_nb
+    mpify_nb.set_preload(["sklearn.linear_model"])   # preloaded from now on, ready before the first call
+    mpify_nb.set_preload(True)                       # the default: learn from what the calls import
+    mpify_nb.set_preload(False)                      # every call imports afresh
+    ```
     """
     if preload.choose(modules):
         refresh()  # named modules: start on them now
@@ -598,7 +602,7 @@ def own_process_group() -> dict:
 def bootstrap_env() -> dict:
     """The environment a new interpreter needs to import this very copy of mpify_nb."""
     env = _environ()
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # src/, above mpify_nb/start/
     paths = env.get("PYTHONPATH", "")
     env["PYTHONPATH"] = here + (os.pathsep + paths if paths else "")
     env["MPIFY_NB_CHILD"] = "1"  # no template of its own
