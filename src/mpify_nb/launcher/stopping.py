@@ -51,6 +51,12 @@ _POLL = 0.01
 
 _IMPORTLIB_DIR = os.path.dirname(os.path.abspath(__import__("importlib").__file__))
 
+try:
+    from _imp import lock_held as _import_lock_held
+except ImportError:  # not CPython
+    def _import_lock_held() -> bool:
+        return False
+
 
 def _is_unsafe(frame: FrameType) -> bool:
     """The import system, a module's top level being run, a finalizer, or our unraisable hook."""
@@ -71,13 +77,8 @@ def unsafe_frame(frame: Optional[FrameType], base: Optional[FrameType]) -> Optio
     """The outermost frame from ``frame`` back to ``base`` (exclusive: the call's own, below which
     the notebook's state is not ours to judge) where a raised exception would leave the interpreter
     broken; None when it is a safe point."""
-    try:
-        import _imp
-
-        if _imp.lock_held():
-            return frame  # the import lock is held (by anyone): an import is under way
-    except (ImportError, AttributeError):
-        pass
+    if _import_lock_held():
+        return frame  # the import lock is held (by anyone): an import is under way
     found = None
     while frame is not None and frame is not base:
         if _is_unsafe(frame):
@@ -103,7 +104,7 @@ class SafeStop:
         self._base: Optional[FrameType] = None  # the frame the user's code runs under
         self._inside = False
         self._wanted: Optional[type] = None  # what to raise
-        self._raised = False  # it was raised (as far as we know: see swallowed())
+        self._raised = False  # it was raised (as far as we know: see _swallowed())
         self._signal_out = False  # a SIGINT of ours is on its way to the main thread
         self._thread: Optional[threading.Thread] = None
         #: the main thread's SIGINT handler that calls take() (own_rank's); when the user's code
@@ -187,7 +188,7 @@ class SafeStop:
                 if self._raised or self._signal_out:
                     self._cond.wait()  # raised, or on its way: until swallowed(), take() or leave()
                     continue
-                frames = sys._current_frames()  # the GIL is ours: its frame cannot move meanwhile
+                frames = sys._current_frames()  # a look, not a promise: the handler looks again where it lands
                 if unsafe_frame(frames.get(self.thread_id), self._base) is not None:
                     del frames
                     self._cond.wait(_POLL)
