@@ -8,6 +8,7 @@ each call starts its own kernel and shuts it down, checking nothing it started i
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Callable
@@ -34,3 +35,22 @@ def notebook() -> Callable:
     import nbutil
 
     return nbutil.run_cells
+
+
+@pytest.fixture
+def sigint_handler():
+    """Python's own SIGINT handler (KeyboardInterrupt), with mpify_nb's in front of it as
+    ``import mpify_nb`` puts it (engine/interrupts.py), for a test that interrupts this process.
+
+    A run started with SIGINT ignored (``nohup ... &``, ``cmd &`` in a script, some CI runners)
+    has none, and mpify_nb keeps a process's ``SIG_IGN`` (a call never turns the user's SIGINT
+    into KeyboardInterrupt there): such a test sets the handler it needs, and puts the old one back.
+    """
+    from mpify_nb.engine import interrupts
+
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    interrupts.install()
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)

@@ -506,12 +506,15 @@ class Engine:
 
 def take_sigint(on_sigint: Callable[[], None], call: interrupts.Interruptible) -> Callable[[], None]:
     """While a call waits: SIGINT (the stop button) calls ``on_sigint`` (a flag and a wake,
-    never raising anywhere, so it never cuts a message in half). On another thread, the main
-    thread's handler reaches ``call`` through engine/interrupts.py. Returns what puts it back."""
+    never raising anywhere, so it never cuts a message in half), unless the process ignores it.
+    On another thread, the main thread's handler reaches ``call`` through engine/interrupts.py.
+    Returns what puts it back."""
     if threading.current_thread() is not threading.main_thread():
         interrupts.install()
         interrupts.register(call)
         return lambda: interrupts.unregister(call)
+    if interrupts.process_ignores_sigint():
+        return lambda: None  # the process ignores SIGINT (nohup, a CI runner): it keeps ignoring it
     try:
         old = signal.signal(signal.SIGINT, lambda signum, frame: on_sigint())
     except ValueError:
