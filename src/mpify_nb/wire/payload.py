@@ -4,10 +4,15 @@ This module does one hard job: turn what a notebook user wrote into bytes
 another process can run, and back.
 
 * Functions, lambdas, closures and classes defined in the notebook (module
-  ``__main__``) travel *by value* with dill, each function with the globals it
-  references (``recurse=True``): a function that uses ``np`` or a helper from
-  another cell works on a rank without ``need=``/``imports=``. Modules travel by
-  name and are imported on the rank.
+  ``__main__``) travel *by value*, each function with the globals its code names:
+  a function that uses ``np`` or a helper from another cell works on a rank without
+  ``need=``/``imports=``. What an importable module holds (its functions, classes,
+  methods; the module itself) travels *by reference* and is imported on the rank;
+  no library's globals are ever walked (wire/ship.py decides which is which).
+* Before a rank loads a call, it imports what the notebook had imported that the
+  call can depend on (wire/modules.py): a module that patches classes when it is
+  imported (fastai's ``@patch``) has done so on the rank too, whether or not the
+  template process had preloaded it.
 * Big CPU tensors (>= ``SHARED_TENSOR_MIN_BYTES``) are not pickled: their bytes
   are copied once into an anonymous shared-memory file (memfd) whose descriptor
   rides beside the message. A rank maps it copy-on-write, so N ranks read one
@@ -15,9 +20,9 @@ another process can run, and back.
   the caller's tensor *is* the mapping (no second copy).
 * Notebook classes in a result come back as the caller's own class object (so
   ``isinstance(result, MyClass)`` holds), not as a look-alike copy.
-* When something cannot be pickled, the error names it: the function, the
-  argument (by position or keyword), the global the function uses, the context
-  manager, or the rank's return value.
+* When something cannot be pickled, the error names the path to it, from the
+  function, argument, context manager or return value down to the culprit:
+  ``train -> global 'cb' (Logger) -> attribute .fh: an open file``.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from typing import Any, Callable, Optional
 
 import dill
 
-from . import shm
+from . import ship, shm
 from .errors import PayloadError, safe_str
 from .shm import close_fds
 
@@ -62,12 +67,15 @@ _MAIN_CLASS_TAG = "mpify_nb.main_class"
 #                                                 datetime64 too, viewed as bytes and back)
 #   anything else                             ->  plain pickle
 
-class _Pickler(dill.Pickler):
-    """dill's pickler, plus: big CPU tensors and arrays go to memfds; optionally, notebook
-    classes by name."""
+class _Pickler(ship.PathTracker, dill.Pickler):
+    """dill's pickler, plus: functions by reference or by value as wire/ship.py decides; big CPU
+    tensors and arrays go to memfds; optionally, notebook classes by name; the path to what
+    failed."""
 
     def __init__(self, file, *, classes_by_name: bool = False):
-        super().__init__(file, protocol=dill.HIGHEST_PROTOCOL, recurse=True, byref=False)
+        super().__init__(file, protocol=dill.HIGHEST_PROTOCOL, recurse=False, byref=False)
+        self._track_init()
+        self._globals: dict[Any, Any] = {}  # a function's globals -> what stands for them (ship.py)
         self.fds: list[int] = []
         self._objects: dict[int, tuple] = {}  # id(tensor or array) -> its persistent id
         self._kept: list[Any] = []  # keeps those ids valid while we pickle
@@ -96,6 +104,22 @@ class _Pickler(dill.Pickler):
         return pid
 
     def reducer_override(self, obj):
+        kind = type(obj)
+        if kind is types.FunctionType:
+            if ship.by_reference(obj):
+                return NotImplemented  # dill saves it as (module, qualname)
+            # Inside a notebook class dill is building: what may name the class is set after it.
+            later = next(iter(self._postproc.values()), None) if self._postproc else None
+            before = len(later) if later is not None else 0
+            reduced = ship.reduce_function(obj, self._globals, later)
+            for step in (later or [])[before:]:
+                if step[0] is ship.set_globals:
+                    self.mark(step[1][1], "globals", obj)
+            return reduced
+        if kind is types.CellType:
+            return ship.reduce_cell(obj)
+        if kind is ship.ModuleGlobals:
+            return ship.reduce_module_globals(obj)
         builtin_name = _swapped_builtin(obj)
         if builtin_name is not None:
             return getattr, (builtins, builtin_name)
@@ -251,17 +275,39 @@ def _lookup_main(qualname: str) -> Any:
     return obj
 
 
-def dumps(obj: Any, *, classes_by_name: bool = False) -> tuple[bytes, list[int]]:
+def dumps(obj: Any, *, classes_by_name: bool = False,
+          labels: Optional[dict[int, str]] = None) -> tuple[bytes, list[int]]:
     """Pickle ``obj``; return the bytes and the memfds that carry its big tensors.
-    The caller owns the fds and must close them once sent."""
+    The caller owns the fds and must close them once sent. On failure the exception gets
+    ``mpify_where``: (the steps down to what failed, what it is and why; see ship.explain),
+    the steps named from ``labels`` (id(part of obj) -> its name) down."""
     buf = io.BytesIO()
     pickler = _Pickler(buf, classes_by_name=classes_by_name)
     try:
         pickler.dump(obj)
-    except BaseException:
+    except BaseException as e:
         close_fds(pickler.fds)
+        if pickler.failed_path is not None:
+            try:
+                e.mpify_where = ship.explain(pickler.failed_path, pickler._roles, labels or {}, e)  # type: ignore[attr-defined]
+            except Exception:
+                pass  # the error itself still says what went wrong
         raise
     return buf.getvalue(), pickler.fds
+
+
+def unshippable(error: BaseException, what: str) -> PayloadError:
+    """The PayloadError for ``error`` raised by dumps(): ``cannot send WHAT to the ranks: the
+    path -> to it: what it is: why``. A path that starts at a labelled part (an argument, ctx,
+    a need= global) names that part instead of ``what``."""
+    where = getattr(error, "mpify_where", None)
+    if where is None:
+        return PayloadError(f"cannot send {what} to the ranks: {type(error).__name__}: {safe_str(error)}")
+    steps, tail = where
+    if steps and not steps[0].endswith("()"):
+        what, steps = steps[0], steps[1:]  # an argument, ctx, a need= global
+    path = " -> ".join(step.replace("()", "") if i == 0 else step for i, step in enumerate(steps))
+    return PayloadError(f"cannot send {what} to the ranks: {path + ': ' if path else ''}{tail}")
 
 
 def loads(data, fds: Sequence[int] = (), *, private: bool = False,
@@ -315,10 +361,17 @@ def pack_call(
             raise PayloadError(f"imports= is not valid Python: {e}") from None
     needed = _needed_globals(need)
     call = (fn, args, kwargs, ctx, needed, imports, cell_sources(fn))
+    name = f"{getattr(fn, '__qualname__', None) or type(fn).__name__}()"
+    labels = {id(fn): name, id(args): "", id(kwargs): "", id(needed): ""}
+    labels.update((id(a), f"argument {i}") for i, a in enumerate(args))
+    labels.update((id(v), f"keyword argument {k!r}") for k, v in kwargs.items())
+    labels.update((id(v), f"need= global {k!r}") for k, v in needed.items())
+    if ctx is not None:
+        labels[id(ctx)] = f"ctx ({type(ctx).__name__})"
     try:
-        data, fds = dumps(call)
+        data, fds = dumps(call, labels=labels)
     except Exception as e:
-        raise _explain_pickling_failure(fn, args, kwargs, ctx, needed, e) from e
+        raise unshippable(e, name) from e
     return PackedCall(data, fds)
 
 
@@ -387,48 +440,14 @@ def _needed_globals(need: str) -> dict:
     return {n: main[n] for n in names}
 
 
-def _explain_pickling_failure(fn, args, kwargs, ctx, needed, error) -> PayloadError:
-    def fails(obj) -> Optional[str]:
-        try:
-            close_fds(dumps(obj)[1])
-            return None
-        except Exception as e:
-            return f"{type(e).__name__}: {safe_str(e)}"
-
-    why = f"{type(error).__name__}: {safe_str(error)}"
-    candidates: list[tuple[str, Any]] = []
-    for i, a in enumerate(args):
-        candidates.append((f"argument {i} ({type(a).__name__})", a))
-    for k, v in kwargs.items():
-        candidates.append((f"keyword argument {k!r} ({type(v).__name__})", v))
-    for k, v in needed.items():
-        candidates.append((f"need= global {k!r}", v))
-    if ctx is not None:
-        candidates.append((f"ctx ({type(ctx).__name__})", ctx))
-    for label, obj in candidates:
-        reason = fails(obj)
-        if reason:
-            return PayloadError(f"cannot send {label} to the ranks: {reason}")
-    name = getattr(fn, "__qualname__", repr(fn))
-    try:
-        used = dill.detect.globalvars(fn, recurse=True)
-    except Exception:
-        used = {}
-    for gname, value in used.items():
-        reason = fails(value)
-        if reason:
-            return PayloadError(
-                f"cannot send {name}() to the ranks: it uses the global {gname!r} "
-                f"({type(value).__name__}), which cannot be pickled ({reason}). "
-                "Create it inside the function, or pass what it needs as an argument."
-            )
-    return PayloadError(f"cannot send {name}() to the ranks: {why}")
-
-
 # -- the answer ---------------------------------------------------------------------------
 
 def pack_result(value: Any) -> tuple[bytes, list[int]]:
-    return dumps(value, classes_by_name=True)
+    """A rank's answer. Raises PayloadError naming the path to what cannot be pickled."""
+    try:
+        return dumps(value, classes_by_name=True, labels={id(value): "the value"})
+    except Exception as e:
+        raise unshippable(e, f"the value ({type(value).__name__})") from e
 
 
 def unpack_result(data, fds) -> Any:

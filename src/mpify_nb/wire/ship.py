@@ -1,0 +1,386 @@
+"""What travels by reference and what by value, and where a value that cannot travel sits.
+
+The payload's pickler (wire/payload.py) asks this module about every function it meets::
+
+    function f
+      |- f.__module__ is an importable module and f is found there by f.__qualname__
+      |      -> by reference: (module, qualname); the rank imports the module
+      |         (a library's function, a method, a @patch-ed method, a function of the
+      |          notebook's own .py files: anything ``import`` can reach)
+      |- f lives in an importable module but is not reachable by name (a closure or a lambda
+      |  made inside a library function, a decorator's wrapper)
+      |      -> by value: its code, defaults and closure; its globals are the module's own
+      |         dict on the rank (imported there), never copied
+      '- f lives in the notebook (``__main__``), or in a module the rank cannot import (one
+         made with exec/types.ModuleType in a cell)
+             -> by value: its code, defaults, closure, and the globals its code names
+                (LOAD_GLOBAL and friends in its bytecode and its nested code, nothing more),
+                each pickled in turn by the same rules
+
+So the pickler walks the notebook's own functions and never a library's globals: a fastai
+metric used by a notebook function is one reference (``fastai.metrics.accuracy``), however
+its module's functions call each other. Classes follow the same rule through dill (by name
+when importable, by value when defined in the notebook). Functions shipped by value from one
+globals dict share one dict on the rank, as they share ``__main__`` in the notebook.
+
+When pickling fails, :class:`PathTracker` knows the chain of objects that led to the culprit
+and :func:`explain` names it the way the user wrote it::
+
+    train -> global 'cb' (Logger) -> attribute .fh: an open file (TextIOWrapper '/tmp/log')
+"""
+
+from __future__ import annotations
+
+import dis
+import importlib
+import io
+import socket
+import sys
+import threading
+import types
+from typing import Any, Optional
+
+# -- where a function lives ----------------------------------------------------------------
+
+_MAIN_NAMES = ("__main__", "__mp_main__")
+#: module name -> may a rank import it by that name? (kept for the process: modules don't move)
+_importable: dict[str, bool] = {}
+
+
+def importable(module_name: Optional[str]) -> bool:
+    """A module the rank can import by name: loaded here from a file or by an import system
+    loader (site-packages, the standard library, the notebook's own .py files, an editable
+    install), not the notebook itself nor a module made at run time (exec, types.ModuleType)."""
+    if not module_name or module_name in _MAIN_NAMES:
+        return False
+    known = _importable.get(module_name)
+    if known is not None:
+        return known
+    module = sys.modules.get(module_name)
+    if module is None:
+        return False  # not loaded here: the name in __module__ may be a lie; don't cache
+    spec = getattr(module, "__spec__", None)
+    verdict = spec is not None and spec.loader is not None and spec.name == module_name
+    _importable[module_name] = verdict
+    return verdict
+
+
+def by_reference(obj: Any) -> bool:
+    """Can ``obj`` (a function or class) travel as (module, qualname)?"""
+    module_name = getattr(obj, "__module__", None)
+    qualname = getattr(obj, "__qualname__", None)
+    if not isinstance(qualname, str) or "<locals>" in qualname or not importable(module_name):
+        return False
+    found: Any = sys.modules[module_name]  # type: ignore[index]
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+        if found is None:
+            return False
+    return found is obj
+
+
+def is_notebooks(f: types.FunctionType) -> bool:
+    """Does ``f`` take its globals from the notebook (or another module no rank can import)?"""
+    return not importable(f.__module__) or _module_dict(f.__module__) is not f.__globals__
+
+
+def _module_dict(name: str) -> Any:
+    module = sys.modules.get(name)
+    return getattr(module, "__dict__", None)
+
+
+# -- a function by value ---------------------------------------------------------------------
+
+#: id(code) -> (code, the global names it and its nested code use); code objects are immutable.
+_names_of_code: dict[int, tuple[types.CodeType, frozenset[str]]] = {}
+_GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME", "STORE_NAME",
+                         "DELETE_NAME"})
+
+
+def global_names(code: types.CodeType) -> frozenset[str]:
+    """The global names ``code`` reads or writes, nested functions, lambdas, comprehensions and
+    class bodies included (from its bytecode: an attribute name like ``np.zeros``'s ``zeros``
+    is not a global)."""
+    known = _names_of_code.get(id(code))
+    if known is not None and known[0] is code:
+        return known[1]
+    names: set[str] = set()
+    todo = [code]
+    while todo:
+        c = todo.pop()
+        for instruction in dis.get_instructions(c):
+            if instruction.opname in _GLOBAL_OPS:
+                names.add(instruction.argval)
+        todo.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    result = frozenset(names)
+    if len(_names_of_code) > 4096:
+        _names_of_code.clear()
+    _names_of_code[id(code)] = (code, result)
+    return result
+
+
+class ModuleGlobals:
+    """Stands for an importable module's ``__dict__`` in a pickle: the rank imports the module
+    and uses its own dict (the globals of a library closure shipped by value)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _module_globals(name: str) -> dict:
+    return importlib.import_module(name).__dict__
+
+
+def _make_cell() -> types.CellType:
+    return types.CellType()
+
+
+def _make_function(code: types.CodeType, globals_: dict, name: str, closure: Optional[tuple]) -> types.FunctionType:
+    return types.FunctionType(code, globals_, name, None, closure)
+
+
+def _set_function_state(f: types.FunctionType, state: dict) -> None:
+    """Finish a function made by _make_function, once everything it refers to exists."""
+    for name, value in state.get("globals", {}).items():
+        f.__globals__.setdefault(name, value)  # one dict for all the notebook's functions: first wins
+    for cell, value in zip(f.__closure__ or (), state.get("closure", {}).values()):
+        if value is not _EMPTY:
+            cell.cell_contents = value
+    f.__defaults__ = state.get("defaults")
+    f.__kwdefaults__ = state.get("kwdefaults")
+    f.__qualname__ = state.get("qualname", f.__name__)
+    f.__module__ = state.get("module")
+    f.__doc__ = state.get("doc")
+    f.__annotations__ = state.get("annotations") or {}
+    f.__dict__.update(state.get("dict") or {})
+
+
+class _Empty:
+    """An empty closure cell's value in a pickle (a variable the enclosing function has not set yet)."""
+
+    def __reduce__(self) -> str:
+        return "_EMPTY"
+
+
+_EMPTY = _Empty()
+
+
+def set_globals(globals_: dict, values: dict) -> None:
+    for name, value in values.items():
+        globals_.setdefault(name, value)
+
+
+def reduce_function(f: types.FunctionType, shared_globals: dict[Any, Any], later: Optional[list] = None) -> tuple:
+    """pickle's 6-tuple for ``f`` by value. The function exists (and is memoized) before its
+    state is pickled, so a function that refers to itself, or two that refer to each other,
+    come back as themselves. ``shared_globals``, one per pickle: id(globals) -> the dict that
+    stands for it (so the notebook's functions share their globals on the rank, as here), and
+    module name -> its ModuleGlobals.
+    ``later``: dill's list of steps to run once the object it is building now (a notebook class
+    whose methods these are) exists. A method's globals and closure (``super()``'s ``__class__``
+    cell) may name that very class, so they are set then, as dill does for its own functions."""
+    code = f.__code__
+    if is_notebooks(f):
+        base = shared_globals.get(id(f.__globals__))
+        if base is None:
+            base = shared_globals[id(f.__globals__)] = {"__name__": f.__globals__.get("__name__", f.__module__)}
+        glob = f.__globals__
+        own = {name: glob[name] for name in sorted(global_names(code)) if name in glob}
+        builtins_ = glob.get("__builtins__")
+        if builtins_ is not None and "__builtins__" not in base:
+            base["__builtins__"] = sys.modules["builtins"]  # the rank's own builtins
+    else:
+        base = shared_globals.get(f.__module__)  # type: ignore[call-overload]
+        if base is None:
+            base = shared_globals[f.__module__] = ModuleGlobals(f.__module__)  # type: ignore[index]
+        own = {}
+    closure = f.__closure__
+    values = {}
+    if closure is not None:
+        for name, cell in zip(code.co_freevars, closure):
+            try:
+                values[name] = cell.cell_contents
+            except ValueError:
+                values[name] = _EMPTY
+    if later is not None:
+        if own:
+            later.append((set_globals, (base, own)))
+            own = {}
+        for cell, value in zip(closure or (), values.values()):
+            if value is not _EMPTY:
+                later.append((setattr, (cell, "cell_contents", value)))
+        values = {name: _EMPTY for name in values}
+    state: dict[str, Any] = {"globals": own, "closure": values}
+    if f.__defaults__ is not None:
+        state["defaults"] = f.__defaults__
+    if f.__kwdefaults__:
+        state["kwdefaults"] = f.__kwdefaults__
+    if f.__qualname__ != f.__name__:
+        state["qualname"] = f.__qualname__
+    state["module"] = f.__module__
+    if f.__doc__ is not None:
+        state["doc"] = f.__doc__
+    if f.__annotations__:
+        state["annotations"] = f.__annotations__
+    if f.__dict__:
+        state["dict"] = f.__dict__
+    return (_make_function, (code, base, f.__name__, closure), state, None, None, _set_function_state)
+
+
+def reduce_module_globals(obj: ModuleGlobals) -> tuple:
+    return (_module_globals, (obj.name,))
+
+
+def reduce_cell(cell: types.CellType) -> tuple:
+    """A closure cell travels empty (memoized, so closures that share it still do); the
+    functions that use it fill it in their state."""
+    return (_make_cell, ())
+
+
+# -- naming what failed ------------------------------------------------------------------------
+
+class PathTracker:
+    """Mixed into a pickle.Pickler (before it): remembers the chain of objects being saved, and
+    what each container is (a function's globals, an object's attributes), so a failure can
+    name the path to the object that could not be pickled."""
+
+    def _track_init(self) -> None:
+        self._stack: list[Any] = []
+        self._roles: dict[int, tuple[str, Any]] = {}  # id(container) -> (its role, whose)
+        self._kept: list[Any] = []  # keeps the ids in _roles valid
+        self.failed_path: Optional[list[Any]] = None
+
+    def mark(self, obj: Any, role: str, whose: Any = None) -> None:
+        self._roles[id(obj)] = (role, whose)
+        self._kept.append(obj)
+
+    def save(self, obj, save_persistent_id=True):  # type: ignore[override]
+        stack = self._stack
+        stack.append(obj)
+        try:
+            super().save(obj, save_persistent_id)  # type: ignore[misc]
+        except BaseException:
+            if self.failed_path is None:  # the deepest frame sees it first
+                self.failed_path = list(stack)
+            raise
+        finally:
+            stack.pop()
+        if self.failed_path is not None and len(stack) < len(self.failed_path) - 1:
+            self.failed_path = None  # someone below handled that failure and went on
+
+    def save_reduce(self, func, args, state=None, listitems=None, dictitems=None, state_setter=None,  # type: ignore[override]
+                    *, obj=None):
+        if state is not None:
+            if func is _make_function:
+                self.mark(state, "function state", obj)
+                self.mark(state.get("globals"), "globals", obj)
+                self.mark(state.get("closure"), "closure", obj)
+            else:
+                self.mark(state, "state", obj)
+                if isinstance(state, tuple) and len(state) == 2:  # (__dict__, slots)
+                    for part in state:
+                        if part is not None:
+                            self.mark(part, "state", obj)
+        if args is not None and func is not _make_function and func is not set_globals:
+            self.mark(args, "arguments", obj)
+        return super().save_reduce(func, args, state, listitems, dictitems, state_setter, obj=obj)  # type: ignore[misc]
+
+
+def explain(path: list[Any], roles: dict[int, tuple[str, Any]], top_labels: dict[int, str],
+            error: BaseException) -> tuple[list[str], str]:
+    """The steps from the top object down to the one that failed (``["train", "global 'cb'
+    (Logger)", "attribute .fh"]``), and what that one is and why it failed (``an open file
+    (TextIOWrapper '/tmp/log'): TypeError: ...``)."""
+    steps: list[str] = []
+    for parent, child in zip(path, path[1:]):
+        step = _step(parent, child, roles, top_labels)
+        if step:
+            steps.append(step)
+    if steps and steps[-1].endswith(")") and " (" in steps[-1] and not steps[-1].endswith("()"):
+        steps[-1] = steps[-1][:steps[-1].rindex(" (")]  # its type is told next, with what it is
+    if len(steps) > 12:
+        steps = steps[:5] + [f"... {len(steps) - 10} more ..."] + steps[-5:]
+    culprit = path[-1] if path else None
+    return steps, f"{what_it_is(culprit)}: {type(error).__name__}: {_error_text(error)}"
+
+
+def _step(parent: Any, child: Any, roles: dict[int, tuple[str, Any]], top_labels: dict[int, str]) -> str:
+    label = top_labels.get(id(child))
+    if label is not None:
+        return label
+    role = roles.get(id(parent), (None, None))[0]
+    child_role, whose = roles.get(id(child), (None, None))
+    if child_role == "globals" and isinstance(whose, types.FunctionType) and isinstance(parent, tuple):
+        return f"{whose.__qualname__}()"  # a method's globals, set once its class was made
+    if child_role in ("function state", "globals", "closure", "state", "arguments"):
+        return ""  # a container the pickler made for its parent: the next step names the content
+    if isinstance(parent, dict):
+        key = next((k for k, v in parent.items() if v is child), None)
+        if key is None:
+            return f"key {_short(child)}" if child in parent else ""
+        if role == "globals":
+            return f"global {key!r} ({_type_name(child)})"
+        if role == "closure":
+            return f"closure variable {key!r} ({_type_name(child)})"
+        if role == "state":
+            return f"attribute .{key} ({_type_name(child)})" if isinstance(key, str) else f"[{key!r}]"
+        if role == "function state":
+            return {"defaults": "defaults", "kwdefaults": "keyword defaults", "dict": "attributes",
+                    "annotations": "annotations"}.get(key, "")
+        return f"[{key!r}] ({_type_name(child)})"
+    if isinstance(parent, (list, tuple)):
+        index = next((i for i, v in enumerate(parent) if v is child), None)
+        if index is None:
+            return ""
+        if role == "arguments":
+            return f"argument {index} of {_type_name(roles[id(parent)][1])}'s reconstruction"
+        return f"[{index}] ({_type_name(child)})"
+    if isinstance(parent, (set, frozenset)):
+        return f"an element ({_type_name(child)})"
+    if isinstance(child, types.FunctionType):
+        return f"{child.__qualname__}()"
+    return ""
+
+
+def _type_name(obj: Any) -> str:
+    return type(obj).__qualname__
+
+
+def _short(obj: Any) -> str:
+    try:
+        text = repr(obj)
+    except Exception:
+        text = f"<{_type_name(obj)}>"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _error_text(error: BaseException) -> str:
+    try:
+        text = str(error)
+    except Exception:
+        text = "<unprintable>"
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def what_it_is(obj: Any) -> str:
+    """In words, with its type: ``an open file (TextIOWrapper '/tmp/log')``."""
+    kind = _type_name(obj)
+    if isinstance(obj, io.IOBase):
+        name = getattr(obj, "name", None)
+        return f"an open file ({kind}{f' {name!r}' if name is not None else ''})"
+    if isinstance(obj, socket.socket):
+        return f"a socket ({kind})"
+    if isinstance(obj, types.GeneratorType):
+        return f"a generator ({obj.__qualname__})"
+    if isinstance(obj, (types.CoroutineType, types.AsyncGeneratorType)):
+        return f"a coroutine ({kind})"
+    if isinstance(obj, threading.Thread):
+        return f"a thread ({obj.name})"
+    if isinstance(obj, types.FrameType):
+        return "a stack frame"
+    module = type(obj).__module__
+    if module == "sqlite3":
+        return f"a database connection ({kind})"
+    if isinstance(obj, types.FunctionType):
+        return f"the function {obj.__qualname__}"
+    return f"a {kind}" if module == "builtins" else f"a {module}.{kind}"
