@@ -130,6 +130,7 @@ class Session(SessionCalls):
         self.timeout = timeout
         self._gone = threading.Event()  # set when close() has ended every rank
         self._cells = itertools.count(1)
+        self._modules_sent: dict[int, frozenset[str]] = {}  # rank -> modules its apply() calls imported
         _sessions.add(self)
         interrupts.install()  # from the main thread: the stop button then reaches calls on others
         try:
@@ -183,11 +184,16 @@ class Session(SessionCalls):
         """
         if not callable(fn):
             raise TypeError(f"fn must be callable, not {type(fn).__name__}")
+        targets = self._targets(ranks)
         packed = payload.pack_call(fn, args, kwargs)  # PayloadError before anything is sent
+        # Ahead of the call, the modules the notebook imported that these ranks were not sent yet.
+        held = frozenset.intersection(*(self._modules_sent.get(r, frozenset()) for r in targets))
         try:
-            return self._call(APPLY, packed.data, packed.fds, ranks, timeout, None,
+            return self._call(APPLY, packed.body(held), packed.fds, ranks, timeout, None,
                               f"apply({getattr(fn, '__qualname__', repr(fn))})")
         finally:
+            for r in targets:  # once sent, a rank imported them (or failed to, the same way next time)
+                self._modules_sent[r] = self._modules_sent.get(r, frozenset()) | frozenset(packed.modules)
             packed.close_later()
 
     def push(self, ranks: Ranks = None, **variables: Any) -> None:
@@ -303,6 +309,7 @@ class Session(SessionCalls):
             try:
                 for r in targets:
                     self._bury(self._members[r])  # stays a member, dead, until its successor exists
+                    self._modules_sent.pop(r, None)
                 self._start(targets)
             finally:
                 restore()

@@ -31,6 +31,7 @@ import builtins
 import io
 import linecache
 import os
+import pickle
 import sys
 import threading
 import types
@@ -39,7 +40,7 @@ from typing import Any, Callable, Optional
 
 import dill
 
-from . import ship, shm
+from . import modules, ship, shm
 from .errors import PayloadError, safe_str
 from .shm import close_fds
 
@@ -312,11 +313,12 @@ def unshippable(error: BaseException, what: str) -> PayloadError:
 
 def loads(data, fds: Sequence[int] = (), *, private: bool = False,
           windows: Optional[dict[int, tuple[int, int]]] = None) -> Any:
-    """Unpickle what ``dumps`` made. Closes ``fds`` (mappings stay valid without them).
-    ``windows``: fd index -> (offset, length), for an fd whose tensor is only that part of
-    its file (see ``shm.map_windows``)."""
+    """Unpickle what ``dumps`` made (bytes, or a stream positioned at it). Closes ``fds``
+    (mappings stay valid without them). ``windows``: fd index -> (offset, length), for an fd
+    whose tensor is only that part of its file (see ``shm.map_windows``)."""
+    stream = data if isinstance(data, io.BytesIO) else io.BytesIO(data)
     try:
-        return _Unpickler(io.BytesIO(data), list(fds), private=private, windows=windows).load()
+        return _Unpickler(stream, list(fds), private=private, windows=windows).load()
     finally:
         close_fds(fds)
 
@@ -324,11 +326,21 @@ def loads(data, fds: Sequence[int] = (), *, private: bool = False,
 # -- the call -----------------------------------------------------------------------------
 
 class PackedCall:
-    """A call ready to send: the same bytes and memfds go to every rank."""
+    """A call ready to send: the same bytes and memfds go to every rank; ``modules``: what a rank
+    imports before loading it (wire/modules.py), sent ahead of the bytes by :meth:`body`."""
 
-    def __init__(self, data: bytes, fds: list[int]):
+    def __init__(self, data: bytes, fds: list[int], modules: tuple[str, ...] = ()):
         self.data = data
         self.fds = fds
+        self.modules = modules
+        self._bodies: dict[Optional[frozenset], bytes] = {}
+
+    def body(self, held: Optional[frozenset[str]] = None) -> bytes:
+        """The bytes for a rank born holding the modules ``held`` (None: unknown, all of them)."""
+        body = self._bodies.get(held)
+        if body is None:
+            body = self._bodies[held] = modules.preamble(self.modules, held) + self.data
+        return body
 
     def close(self) -> None:
         close_fds(self.fds)
@@ -372,12 +384,20 @@ def pack_call(
         data, fds = dumps(call, labels=labels)
     except Exception as e:
         raise unshippable(e, name) from e
-    return PackedCall(data, fds)
+    return PackedCall(data, fds, modules.for_call())
 
 
 def unpack_call(data, fds, windows: Optional[dict[int, tuple[int, int]]] = None
                 ) -> tuple[Callable, tuple, dict, Any, dict, str]:
-    *call, sources = loads(data, fds, private=True, windows=windows)
+    """Load what PackedCall.body() made: first import the modules it names, then the call."""
+    stream = io.BytesIO(data)
+    try:
+        names = pickle.load(stream)
+        modules.import_all(names)
+    except BaseException:
+        close_fds(fds)
+        raise
+    *call, sources = loads(stream, fds, private=True, windows=windows)
     for filename, lines in sources.items():  # a warning's or traceback's source line, as in the notebook
         linecache.cache.setdefault(filename, (sum(map(len, lines)), None, lines, filename))
     return tuple(call)  # type: ignore[return-value]
