@@ -28,6 +28,7 @@ another process can run, and back.
 from __future__ import annotations
 
 import builtins
+import enum
 import io
 import linecache
 import os
@@ -86,6 +87,19 @@ class _Pickler(ship.PathTracker, dill.Pickler):
         self._torch = sys.modules.get("torch")  # no torch imported: no tensors to look for
         self._numpy = sys.modules.get("numpy")
 
+    def save_specially(self, obj, save_persistent_id: bool) -> bool:
+        """A class of the notebook: made from its functions and constants, the rest set on it
+        after (ship.reduce_class), dill's way of deferring steps until it exists."""
+        if (type(obj) is type or isinstance(obj, type)) and id(obj) not in self.memo and ship.by_value_class(obj) \
+                and not (save_persistent_id and self.persistent_id(obj) is not None):
+            reduction, attributes = ship.reduce_class(obj)
+            self.mark(attributes, "class attributes", obj)
+            self.mark(reduction[1][3], "class attributes", obj)
+            dill._dill._save_with_postproc(self, reduction, obj=obj,
+                                            postproc_list=[(ship.set_attributes, (obj, attributes))])
+            return True
+        return False
+
     def persistent_id(self, obj):
         if self._classes_by_name and isinstance(obj, type) and obj.__module__ == "__main__":
             # By value too, in case the caller has no class of that name any more.
@@ -119,6 +133,8 @@ class _Pickler(ship.PathTracker, dill.Pickler):
             return reduced
         if kind is types.CellType:
             return ship.reduce_cell(obj)
+        if isinstance(obj, enum.EnumMeta) and not ship.by_reference(obj):
+            return ship.reduce_enum(obj)
         if kind is ship.ModuleGlobals:
             return ship.reduce_module_globals(obj)
         builtin_name = _swapped_builtin(obj)

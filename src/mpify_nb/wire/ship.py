@@ -32,6 +32,7 @@ and :func:`explain` names it the way the user wrote it::
 from __future__ import annotations
 
 import dis
+import enum
 import importlib
 import io
 import socket
@@ -73,7 +74,10 @@ def by_reference(obj: Any) -> bool:
         return False
     found: Any = sys.modules[module_name]  # type: ignore[index]
     for part in qualname.split("."):
-        found = getattr(found, part, None)
+        try:
+            found = getattr(found, part, None)
+        except Exception:  # a module __getattr__ that raises something else (ImportError...)
+            return False
         if found is None:
             return False
     return found is obj
@@ -237,6 +241,82 @@ def reduce_cell(cell: types.CellType) -> tuple:
     return (_make_cell, ())
 
 
+# -- a class by value ---------------------------------------------------------------------------
+#
+# A notebook class is made on the rank from what its metaclass must see at creation (functions,
+# properties, class and static methods, constants, slots, the docstring), then everything else is
+# set on it (a dispatch table, a registry, a list of instances...). Those may refer to the class
+# itself, which exists by then: dill puts the whole class dict in the class's constructor
+# arguments and, on such a cycle, falls back to a by-name reference no rank can resolve.
+
+_CONSTANTS = (type(None), bool, int, float, complex, str, bytes)
+_NOT_COPIED = ("__dict__", "__weakref__", "_abc_impl", "__abstractmethods__")  # made again by type()/ABCMeta
+
+
+def _at_creation(value: Any) -> bool:
+    if isinstance(value, (types.FunctionType, property, classmethod, staticmethod)) or isinstance(value, _CONSTANTS):
+        return True
+    if isinstance(value, (tuple, frozenset)):
+        return all(isinstance(v, _CONSTANTS) for v in value)
+    return isinstance(value, type) and by_reference(value)
+
+
+def by_value_class(obj: Any) -> bool:
+    """A class that must travel by value here (not an enum: reduce_enum; not a namedtuple: dill)."""
+    return (isinstance(obj, type) and not by_reference(obj) and not isinstance(obj, enum.EnumMeta)
+            and not (issubclass(obj, tuple) and hasattr(obj, "_fields")) and obj.__module__ != "builtins")
+
+
+def reduce_class(cls: type) -> tuple[tuple, dict]:
+    """(the reduction that makes ``cls``, the attributes to set on it once it exists)."""
+    namespace = dict(vars(cls))
+    slots = namespace.get("__slots__", ())
+    for name in (*_NOT_COPIED, *((slots,) if isinstance(slots, str) else slots)):
+        namespace.pop(name, None)
+    now = {k: v for k, v in namespace.items() if _at_creation(v)}
+    later = {k: v for k, v in namespace.items() if k not in now}
+    bases = namespace.pop("__orig_bases__", None) or cls.__bases__
+    now.pop("__orig_bases__", None)
+    later.pop("__orig_bases__", None)
+    return (_make_class, (type(cls), cls.__name__, tuple(bases), now)), later
+
+
+def _make_class(metaclass: type, name: str, bases: tuple, namespace: dict) -> type:
+    return types.new_class(name, bases, {"metaclass": metaclass}, lambda ns: ns.update(namespace))
+
+
+# -- an enum class by value ---------------------------------------------------------------------
+#
+# dill cannot rebuild an Enum defined in the notebook (its members refer to the class; it falls
+# back to a by-name reference the rank cannot resolve). Here the class is made first from its
+# members' values, then its methods are set on it (they may name the class itself).
+
+def reduce_enum(cls: type) -> tuple:
+    # Aliases too: given the same value again, Enum makes them aliases again.
+    members = {name: member._value_ for name, member in cls.__members__.items()}  # type: ignore[attr-defined]
+    inherited = [vars(base) for base in cls.__mro__[1:]]
+    methods = {name: value for name, value in vars(cls).items()
+               if name not in cls.__members__  # type: ignore[attr-defined]
+               and isinstance(value, (types.FunctionType, property, classmethod, staticmethod))
+               and not any(base.get(name) is value for base in inherited)}
+    return (_make_enum, (type(cls), cls.__bases__, cls.__name__, cls.__qualname__, cls.__module__, members),
+            methods, None, None, set_attributes)
+
+
+def _make_enum(metaclass: type, bases: tuple, name: str, qualname: str, module: str, members: dict) -> type:
+    namespace = metaclass.__prepare__(name, bases)  # type: ignore[attr-defined]
+    for member, value in members.items():
+        namespace[member] = value
+    namespace["__module__"] = module
+    namespace["__qualname__"] = qualname
+    return metaclass(name, bases, namespace)
+
+
+def set_attributes(obj: Any, attributes: dict) -> None:
+    for name, value in attributes.items():
+        setattr(obj, name, value)
+
+
 # -- naming what failed ------------------------------------------------------------------------
 
 class PathTracker:
@@ -254,11 +334,16 @@ class PathTracker:
         self._roles[id(obj)] = (role, whose)
         self._kept.append(obj)
 
+    def save_specially(self, obj: Any, save_persistent_id: bool) -> bool:
+        """Save ``obj`` in a way of our own and return True, or return False (the pickler's way)."""
+        return False
+
     def save(self, obj, save_persistent_id=True):  # type: ignore[override]
         stack = self._stack
         stack.append(obj)
         try:
-            super().save(obj, save_persistent_id)  # type: ignore[misc]
+            if not self.save_specially(obj, save_persistent_id):
+                super().save(obj, save_persistent_id)  # type: ignore[misc]
         except BaseException:
             if self.failed_path is None:  # the deepest frame sees it first
                 self.failed_path = list(stack)
@@ -312,7 +397,7 @@ def _step(parent: Any, child: Any, roles: dict[int, tuple[str, Any]], top_labels
     child_role, whose = roles.get(id(child), (None, None))
     if child_role == "globals" and isinstance(whose, types.FunctionType) and isinstance(parent, tuple):
         return f"{whose.__qualname__}()"  # a method's globals, set once its class was made
-    if child_role in ("function state", "globals", "closure", "state", "arguments"):
+    if child_role in ("function state", "globals", "closure", "state", "arguments", "class attributes"):
         return ""  # a container the pickler made for its parent: the next step names the content
     if isinstance(parent, dict):
         key = next((k for k, v in parent.items() if v is child), None)
@@ -322,7 +407,7 @@ def _step(parent: Any, child: Any, roles: dict[int, tuple[str, Any]], top_labels
             return f"global {key!r} ({_type_name(child)})"
         if role == "closure":
             return f"closure variable {key!r} ({_type_name(child)})"
-        if role == "state":
+        if role in ("state", "class attributes"):
             return f"attribute .{key} ({_type_name(child)})" if isinstance(key, str) else f"[{key!r}]"
         if role == "function state":
             return {"defaults": "defaults", "kwdefaults": "keyword defaults", "dict": "attributes",
@@ -343,7 +428,7 @@ def _step(parent: Any, child: Any, roles: dict[int, tuple[str, Any]], top_labels
 
 
 def _type_name(obj: Any) -> str:
-    return type(obj).__qualname__
+    return "class" if isinstance(obj, type) else type(obj).__qualname__
 
 
 def _short(obj: Any) -> str:
