@@ -107,18 +107,19 @@ def test_ranch_cell_with_ddp(expected):
         IMPORTS + "%load_ext mpify_nb\n",
         TRAINING_CELL,
         "%%ranch 2 --ddp\nresult = train_fastai()\nresult",
-        "print('RESULTS', json.dumps(%ranch_result))",
+        "values = %ranch_result\nprint('RESULTS', json.dumps(values))",
     ], timeout=400)
     _check(_parse(cells[3], "RESULTS"), expected, "%%ranch 2 --ddp")
 
 
 def test_persistent_ranks(expected):
+    """The training is defined in the notebook (a %%local cell); the ranks' cell calls it, so it
+    is sent to them (a notebook function naming fastai's metrics and patched methods)."""
     cells = nbutil.run_cells([
         "%load_ext mpify_nb\n%dist_init -n 2",
-        IMPORTS,  # on the ranks (automatic mode)
-        TRAINING_CELL,
-        "result = train_fastai()",
+        "%%local\n" + IMPORTS + TRAINING_CELL,
+        "result = train_fastai()",  # on the ranks (automatic mode)
         "%%local\n%dist_pull result --all\nprint('RESULTS', json.dumps(result))",
         "%dist_shutdown",
     ], timeout=400)
-    _check(_parse(cells[4], "RESULTS"), expected, "persistent ranks")
+    _check(_parse(cells[3], "RESULTS"), expected, "persistent ranks")

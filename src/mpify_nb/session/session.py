@@ -186,14 +186,10 @@ class Session(SessionCalls):
             raise TypeError(f"fn must be callable, not {type(fn).__name__}")
         targets = self._targets(ranks)
         packed = payload.pack_call(fn, args, kwargs)  # PayloadError before anything is sent
-        # Ahead of the call, the modules the notebook imported that these ranks were not sent yet.
-        held = frozenset.intersection(*(self._modules_sent.get(r, frozenset()) for r in targets))
         try:
-            return self._call(APPLY, packed.body(held), packed.fds, ranks, timeout, None,
+            return self._call(APPLY, self._body(packed, targets), packed.fds, ranks, timeout, None,
                               f"apply({getattr(fn, '__qualname__', repr(fn))})")
         finally:
-            for r in targets:  # once sent, a rank imported them (or failed to, the same way next time)
-                self._modules_sent[r] = self._modules_sent.get(r, frozenset()) | frozenset(packed.modules)
             packed.close_later()
 
     def push(self, ranks: Ranks = None, **variables: Any) -> None:
@@ -203,15 +199,23 @@ class Session(SessionCalls):
 
         >>> s.push(lr=0.1, batch=torch.randn(1024, 1024))
         """
+        targets = self._targets(ranks)
+        packed = payload.pack_values(variables)  # PayloadError before anything is sent
         try:
-            data, fds = payload.dumps(variables)
-        except Exception as e:
-            raise PayloadError(f"cannot send {sorted(variables)} to the ranks: {type(e).__name__}: {e}") from e
-        packed = payload.PackedCall(data, fds)
-        try:
-            self._call(PUSH, data, fds, ranks, None, None, f"push {', '.join(variables)}")
+            self._call(PUSH, self._body(packed, targets), packed.fds, ranks, None, None,
+                       f"push {', '.join(variables)}")
         finally:
             packed.close_later()
+
+    def _body(self, packed: payload.PackedCall, targets: list[int]) -> bytes:
+        """What to send: ahead of the pickle, the modules the notebook imported that were not sent
+        to these ranks yet (wire/modules.py); once sent, a rank has imported them (or failed to,
+        the same way next time)."""
+        held = frozenset.intersection(*(self._modules_sent.get(r, frozenset()) for r in targets))
+        body = packed.body(held)
+        for r in targets:
+            self._modules_sent[r] = self._modules_sent.get(r, frozenset()) | frozenset(packed.modules)
+        return body
 
     def pull(self, name: str, rank: Optional[int] = 0) -> Any:
         """The value of ``name`` on ``rank``; ``rank=None``: a list of every rank's, by rank.

@@ -403,13 +403,34 @@ def pack_call(
     return PackedCall(data, fds, modules.for_call())
 
 
+def pack_values(values: dict) -> PackedCall:
+    """Variables for a Session's ranks (push), like a call: PayloadError names the path to what
+    cannot be pickled; the notebook's modules go ahead of them."""
+    labels = {id(v): f"variable {k!r}" for k, v in values.items()}
+    try:
+        data, fds = dumps(values, labels=labels)
+    except Exception as e:
+        raise unshippable(e, f"{sorted(values)}") from e
+    return PackedCall(data, fds, modules.for_call())
+
+
+def unpack_values(data, fds) -> Any:
+    """Load what PackedCall.body() made: first import the modules it names, then the pickle."""
+    stream = io.BytesIO(data)
+    try:
+        modules.import_all(pickle.load(stream))
+    except BaseException:
+        close_fds(fds)
+        raise
+    return loads(stream, fds, private=True)
+
+
 def unpack_call(data, fds, windows: Optional[dict[int, tuple[int, int]]] = None
                 ) -> tuple[Callable, tuple, dict, Any, dict, str]:
     """Load what PackedCall.body() made: first import the modules it names, then the call."""
     stream = io.BytesIO(data)
     try:
-        names = pickle.load(stream)
-        modules.import_all(names)
+        modules.import_all(pickle.load(stream))
     except BaseException:
         close_fds(fds)
         raise
