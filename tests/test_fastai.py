@@ -93,7 +93,7 @@ def test_ranch_with_in_torchddp_three_calls(expected):
     cells = nbutil.run_cells([
         IMPORTS + "from mpify_nb import ranch, in_torchddp\nmpify_nb.set_preload(True)\n",
         TRAINING_CELL,
-        *[f"print('RESULTS', json.dumps(ranch(2, train_fastai, ctx=in_torchddp())))\n"
+        *["print('RESULTS', json.dumps(ranch(2, train_fastai, ctx=in_torchddp())))\n"
           + ("mpify_nb.start.template.wait_preloaded(300)\n" if call == 0 else "") for call in range(3)],
         "print('HELD', json.dumps(ranch(2, lambda: 'fastai.callback.schedule' in sys.modules)))",
     ], timeout=400)

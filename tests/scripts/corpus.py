@@ -194,7 +194,7 @@ def c_module_alias_and_math():
     return r([m.sqrt(16), m.pi])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=64)
 def slow_square(x):
     return x * x
 

@@ -28,7 +28,6 @@ another process can run, and back.
 from __future__ import annotations
 
 import builtins
-import enum
 import io
 import linecache
 import os
@@ -90,7 +89,8 @@ class _Pickler(ship.PathTracker, dill.Pickler):
     def save_specially(self, obj, save_persistent_id: bool) -> bool:
         """A class of the notebook: made from its functions and constants, the rest set on it
         after (ship.reduce_class), dill's way of deferring steps until it exists."""
-        if (type(obj) is type or isinstance(obj, type)) and id(obj) not in self.memo and ship.by_value_class(obj) \
+        memo: dict = self.memo  # type: ignore[attr-defined]
+        if isinstance(obj, type) and id(obj) not in memo and ship.by_value_class(obj) \
                 and not (save_persistent_id and self.persistent_id(obj) is not None):
             reduction, attributes = ship.reduce_class(obj)
             self.mark(attributes, "class attributes", obj)
@@ -133,7 +133,7 @@ class _Pickler(ship.PathTracker, dill.Pickler):
             return reduced
         if kind is types.CellType:
             return ship.reduce_cell(obj)
-        if isinstance(obj, enum.EnumMeta) and not ship.by_reference(obj):
+        if ship.by_value_enum(obj):
             return ship.reduce_enum(obj)
         if kind is ship.ModuleGlobals:
             return ship.reduce_module_globals(obj)

@@ -153,7 +153,7 @@ def _set_function_state(f: types.FunctionType, state: dict) -> None:
     f.__defaults__ = state.get("defaults")
     f.__kwdefaults__ = state.get("kwdefaults")
     f.__qualname__ = state.get("qualname", f.__name__)
-    f.__module__ = state.get("module")
+    setattr(f, "__module__", state.get("module"))  # noqa: B010  (None is a fine value, not for pyright)
     f.__doc__ = state.get("doc")
     f.__annotations__ = state.get("annotations") or {}
     f.__dict__.update(state.get("dict") or {})
@@ -290,6 +290,11 @@ def _make_class(metaclass: type, name: str, bases: tuple, namespace: dict) -> ty
 # dill cannot rebuild an Enum defined in the notebook (its members refer to the class; it falls
 # back to a by-name reference the rank cannot resolve). Here the class is made first from its
 # members' values, then its methods are set on it (they may name the class itself).
+
+def by_value_enum(obj: Any) -> bool:
+    """An enum class defined in the notebook (or anywhere not importable)."""
+    return isinstance(obj, enum.EnumMeta) and not by_reference(obj)
+
 
 def reduce_enum(cls: type) -> tuple:
     # Aliases too: given the same value again, Enum makes them aliases again.
