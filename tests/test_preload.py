@@ -176,3 +176,11 @@ def test_a_module_only_the_notebook_imported_is_on_every_rank_then_preloaded(tmp
         assert log.read_text() == "imported\n" * 4  # and once in the template: not per call any more
     finally:
         sys.modules.pop(name, None)
+
+
+def test_the_submodules_of_a_module_left_out_are_left_out_too():
+    """Ranks import every module the notebook imported, so the template learns whole packages: once a
+    package is left out (it started a thread), its submodules must not cost a candidate each."""
+    preload._learned.update(dict.fromkeys(["pkgx", "pkgx.sub", "pkgx.sub.deep", "pkgxy", "other"]))
+    preload.mark_failed("pkgx", "it starts a thread at import")
+    assert preload.wanted() == ["pkgxy", "other"]

@@ -105,7 +105,21 @@ def wanted(cwd: Optional[str] = None) -> list[str]:
         named = list(_named)
         failed_now = set(_failed)
     names = dict.fromkeys(named + learned)
-    return [n for n in names if n not in failed_now]
+    # Nor the submodules of a package left out: importing one imports the package again, and each
+    # would cost a whole new candidate template to find out (ranks import all the notebook's modules).
+    return [n for n in names if not _inside(n, failed_now)]
+
+
+def _inside(name: str, packages: set[str]) -> bool:
+    """Is ``name`` one of ``packages``, or a submodule of one?"""
+    if not packages:
+        return False
+    dot = name.find(".")
+    while dot != -1:
+        if name[:dot] in packages:
+            return True
+        dot = name.find(".", dot + 1)
+    return name in packages
 
 
 def _wanted_name(name: str) -> bool:

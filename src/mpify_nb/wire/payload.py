@@ -30,7 +30,6 @@ from __future__ import annotations
 import builtins
 import io
 import linecache
-import os
 import pickle
 import sys
 import threading
@@ -40,8 +39,8 @@ from typing import Any, Callable, Optional
 
 import dill
 
-from . import modules, ship, shm
-from .errors import PayloadError, safe_str
+from . import failpath, modules, ship, shm
+from .errors import PayloadError
 from .shm import close_fds
 
 SHARED_TENSOR_MIN_BYTES = 1 << 20
@@ -68,7 +67,7 @@ _MAIN_CLASS_TAG = "mpify_nb.main_class"
 #                                                 datetime64 too, viewed as bytes and back)
 #   anything else                             ->  plain pickle
 
-class _Pickler(ship.PathTracker, dill.Pickler):
+class _Pickler(failpath.PathTracker, dill.Pickler):
     """dill's pickler, plus: functions by reference or by value as wire/ship.py decides; big CPU
     tensors and arrays go to memfds; optionally, notebook classes by name; the path to what
     failed."""
@@ -306,25 +305,11 @@ def dumps(obj: Any, *, classes_by_name: bool = False,
         close_fds(pickler.fds)
         if pickler.failed_path is not None:
             try:
-                e.mpify_where = ship.explain(pickler.failed_path, pickler._roles, labels or {}, e)  # type: ignore[attr-defined]
+                e.mpify_where = failpath.explain(pickler.failed_path, pickler._roles, labels or {}, e)  # type: ignore[attr-defined]
             except Exception:
                 pass  # the error itself still says what went wrong
         raise
     return buf.getvalue(), pickler.fds
-
-
-def unshippable(error: BaseException, what: str) -> PayloadError:
-    """The PayloadError for ``error`` raised by dumps(): ``cannot send WHAT to the ranks: the
-    path -> to it: what it is: why``. A path that starts at a labelled part (an argument, ctx,
-    a need= global) names that part instead of ``what``."""
-    where = getattr(error, "mpify_where", None)
-    if where is None:
-        return PayloadError(f"cannot send {what} to the ranks: {type(error).__name__}: {safe_str(error)}")
-    steps, tail = where
-    if steps and not steps[0].endswith("()"):
-        what, steps = steps[0], steps[1:]  # an argument, ctx, a need= global
-    path = " -> ".join(step.replace("()", "") if i == 0 else step for i, step in enumerate(steps))
-    return PayloadError(f"cannot send {what} to the ranks: {path + ': ' if path else ''}{tail}")
 
 
 def loads(data, fds: Sequence[int] = (), *, private: bool = False,
@@ -388,7 +373,7 @@ def pack_call(
         except SyntaxError as e:
             raise PayloadError(f"imports= is not valid Python: {e}") from None
     needed = _needed_globals(need)
-    call = (fn, args, kwargs, ctx, needed, imports, cell_sources(fn))
+    call = (fn, args, kwargs, ctx, needed, imports, ship.cell_sources(fn))
     name = f"{getattr(fn, '__qualname__', None) or type(fn).__name__}()"
     labels = {id(fn): name, id(args): "", id(kwargs): "", id(needed): ""}
     labels.update((id(a), f"argument {i}") for i, a in enumerate(args))
@@ -399,7 +384,7 @@ def pack_call(
     try:
         data, fds = dumps(call, labels=labels)
     except Exception as e:
-        raise unshippable(e, name) from e
+        raise failpath.unshippable(e, name) from e
     return PackedCall(data, fds, modules.for_call())
 
 
@@ -410,7 +395,7 @@ def pack_values(values: dict) -> PackedCall:
     try:
         data, fds = dumps(values, labels=labels)
     except Exception as e:
-        raise unshippable(e, f"{sorted(values)}") from e
+        raise failpath.unshippable(e, f"{sorted(values)}") from e
     return PackedCall(data, fds, modules.for_call())
 
 
@@ -440,52 +425,6 @@ def unpack_call(data, fds, windows: Optional[dict[int, tuple[int, int]]] = None
     return tuple(call)  # type: ignore[return-value]
 
 
-def cell_sources(fn: Callable) -> dict[str, list[str]]:
-    """The source lines of the notebook cells ``fn`` (and the notebook functions and classes it
-    reaches) was defined in. They exist only in this process's linecache (no file on disk), so a
-    rank's warnings and tracebacks would otherwise show no source line."""
-    files: set[str] = set()
-    seen: set[int] = set()
-    stack: list[Any] = [fn]
-    while stack and len(seen) < 1000:
-        obj = stack.pop()
-        obj = getattr(obj, "__func__", getattr(obj, "func", obj))  # bound methods, partials
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, type):
-            if obj.__module__ == "__main__":
-                stack.extend(vars(obj).values())
-            continue
-        code = getattr(obj, "__code__", None)
-        if not isinstance(code, types.CodeType):
-            continue
-        codes = [code]
-        while codes:
-            c = codes.pop()
-            files.add(c.co_filename)
-            codes.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
-        if getattr(obj, "__module__", None) == "__main__":
-            glob = getattr(obj, "__globals__", {})
-            stack.extend(glob[name] for name in code.co_names if name in glob)
-            stack.extend(cell.cell_contents for cell in (getattr(obj, "__closure__", None) or ())
-                         if _filled(cell))
-    sources = {}
-    for filename in files:
-        entry = linecache.cache.get(filename)
-        if entry is not None and len(entry) == 4 and entry[1] is None and not os.path.exists(filename):
-            sources[filename] = list(entry[2])
-    return sources
-
-
-def _filled(cell) -> bool:
-    try:
-        _ = cell.cell_contents
-    except ValueError:
-        return False
-    return True
-
-
 def _needed_globals(need: str) -> dict:
     names = need.replace(",", " ").split()
     if not names:
@@ -502,9 +441,13 @@ def _needed_globals(need: str) -> dict:
 def pack_result(value: Any) -> tuple[bytes, list[int]]:
     """A rank's answer. Raises PayloadError naming the path to what cannot be pickled."""
     try:
-        return dumps(value, classes_by_name=True, labels={id(value): "the value"})
+        return dumps(value, classes_by_name=True)
     except Exception as e:
-        raise unshippable(e, f"the value ({type(value).__name__})") from e
+        where = getattr(e, "mpify_where", None)
+        if where is None:
+            raise
+        steps, tail = where
+        raise PayloadError(" -> ".join(["the value", *steps]) + f": {tail}") from e
 
 
 def unpack_result(data, fds) -> Any:

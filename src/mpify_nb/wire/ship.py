@@ -23,10 +23,9 @@ its module's functions call each other. Classes follow the same rule through dil
 when importable, by value when defined in the notebook). Functions shipped by value from one
 globals dict share one dict on the rank, as they share ``__main__`` in the notebook.
 
-When pickling fails, :class:`PathTracker` knows the chain of objects that led to the culprit
-and :func:`explain` names it the way the user wrote it::
+When pickling fails, wire/failpath.py names the path to the culprit the way the user wrote it::
 
-    train -> global 'cb' (Logger) -> attribute .fh: an open file (TextIOWrapper '/tmp/log')
+    train -> global 'cb' (Logger) -> attribute .conn: a socket (socket)
 """
 
 from __future__ import annotations
@@ -34,10 +33,9 @@ from __future__ import annotations
 import dis
 import enum
 import importlib
-import io
-import socket
+import linecache
+import os
 import sys
-import threading
 import types
 from typing import Any, Optional
 
@@ -139,12 +137,12 @@ def _make_cell() -> types.CellType:
     return types.CellType()
 
 
-def _make_function(code: types.CodeType, globals_: dict, name: str, closure: Optional[tuple]) -> types.FunctionType:
+def make_function(code: types.CodeType, globals_: dict, name: str, closure: Optional[tuple]) -> types.FunctionType:
     return types.FunctionType(code, globals_, name, None, closure)
 
 
 def _set_function_state(f: types.FunctionType, state: dict) -> None:
-    """Finish a function made by _make_function, once everything it refers to exists."""
+    """Finish a function made by make_function, once everything it refers to exists."""
     for name, value in state.get("globals", {}).items():
         f.__globals__.setdefault(name, value)  # one dict for all the notebook's functions: first wins
     for cell, value in zip(f.__closure__ or (), state.get("closure", {}).values()):
@@ -228,7 +226,7 @@ def reduce_function(f: types.FunctionType, shared_globals: dict[Any, Any], later
         state["annotations"] = f.__annotations__
     if f.__dict__:
         state["dict"] = f.__dict__
-    return (_make_function, (code, base, f.__name__, closure), state, None, None, _set_function_state)
+    return (make_function, (code, base, f.__name__, closure), state, None, None, _set_function_state)
 
 
 def reduce_module_globals(obj: ModuleGlobals) -> tuple:
@@ -322,155 +320,49 @@ def set_attributes(obj: Any, attributes: dict) -> None:
         setattr(obj, name, value)
 
 
-# -- naming what failed ------------------------------------------------------------------------
+# -- the notebook's cell sources a shipped function came from -------------------------------------
 
-class PathTracker:
-    """Mixed into a pickle.Pickler (before it): remembers the chain of objects being saved, and
-    what each container is (a function's globals, an object's attributes), so a failure can
-    name the path to the object that could not be pickled."""
+def cell_sources(fn: Any) -> dict[str, list[str]]:
+    """The source lines of the notebook cells ``fn`` (and the notebook functions and classes it
+    reaches) was defined in. They exist only in this process's linecache (no file on disk), so a
+    rank's warnings and tracebacks would otherwise show no source line."""
+    files: set[str] = set()
+    seen: set[int] = set()
+    stack: list[Any] = [fn]
+    while stack and len(seen) < 1000:
+        obj = stack.pop()
+        obj = getattr(obj, "__func__", getattr(obj, "func", obj))  # bound methods, partials
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, type):
+            if obj.__module__ == "__main__":
+                stack.extend(vars(obj).values())
+            continue
+        code = getattr(obj, "__code__", None)
+        if not isinstance(code, types.CodeType):
+            continue
+        codes = [code]
+        while codes:
+            c = codes.pop()
+            files.add(c.co_filename)
+            codes.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+        if getattr(obj, "__module__", None) == "__main__":
+            glob = getattr(obj, "__globals__", {})
+            stack.extend(glob[name] for name in code.co_names if name in glob)
+            stack.extend(cell.cell_contents for cell in (getattr(obj, "__closure__", None) or ())
+                         if _filled(cell))
+    sources = {}
+    for filename in files:
+        entry = linecache.cache.get(filename)
+        if entry is not None and len(entry) == 4 and entry[1] is None and not os.path.exists(filename):
+            sources[filename] = list(entry[2])
+    return sources
 
-    def _track_init(self) -> None:
-        self._stack: list[Any] = []
-        self._roles: dict[int, tuple[str, Any]] = {}  # id(container) -> (its role, whose)
-        self._kept: list[Any] = []  # keeps the ids in _roles valid
-        self.failed_path: Optional[list[Any]] = None
 
-    def mark(self, obj: Any, role: str, whose: Any = None) -> None:
-        self._roles[id(obj)] = (role, whose)
-        self._kept.append(obj)
-
-    def save_specially(self, obj: Any, save_persistent_id: bool) -> bool:
-        """Save ``obj`` in a way of our own and return True, or return False (the pickler's way)."""
+def _filled(cell) -> bool:
+    try:
+        _ = cell.cell_contents
+    except ValueError:
         return False
-
-    def save(self, obj, save_persistent_id=True):  # type: ignore[override]
-        stack = self._stack
-        stack.append(obj)
-        try:
-            if not self.save_specially(obj, save_persistent_id):
-                super().save(obj, save_persistent_id)  # type: ignore[misc]
-        except BaseException:
-            if self.failed_path is None:  # the deepest frame sees it first
-                self.failed_path = list(stack)
-            raise
-        finally:
-            stack.pop()
-        if self.failed_path is not None and len(stack) < len(self.failed_path) - 1:
-            self.failed_path = None  # someone below handled that failure and went on
-
-    def save_reduce(self, func, args, state=None, listitems=None, dictitems=None, state_setter=None,  # type: ignore[override]
-                    *, obj=None):
-        if state is not None:
-            if func is _make_function:
-                self.mark(state, "function state", obj)
-                self.mark(state.get("globals"), "globals", obj)
-                self.mark(state.get("closure"), "closure", obj)
-            else:
-                self.mark(state, "state", obj)
-                if isinstance(state, tuple) and len(state) == 2:  # (__dict__, slots)
-                    for part in state:
-                        if part is not None:
-                            self.mark(part, "state", obj)
-        if args is not None and func is not _make_function and func is not set_globals:
-            self.mark(args, "arguments", obj)
-        return super().save_reduce(func, args, state, listitems, dictitems, state_setter, obj=obj)  # type: ignore[misc]
-
-
-def explain(path: list[Any], roles: dict[int, tuple[str, Any]], top_labels: dict[int, str],
-            error: BaseException) -> tuple[list[str], str]:
-    """The steps from the top object down to the one that failed (``["train", "global 'cb'
-    (Logger)", "attribute .fh"]``), and what that one is and why it failed (``an open file
-    (TextIOWrapper '/tmp/log'): TypeError: ...``)."""
-    steps: list[str] = []
-    for parent, child in zip(path, path[1:]):
-        step = _step(parent, child, roles, top_labels)
-        if step:
-            steps.append(step)
-    if steps and steps[-1].endswith(")") and " (" in steps[-1] and not steps[-1].endswith("()"):
-        steps[-1] = steps[-1][:steps[-1].rindex(" (")]  # its type is told next, with what it is
-    if len(steps) > 12:
-        steps = steps[:5] + [f"... {len(steps) - 10} more ..."] + steps[-5:]
-    culprit = path[-1] if path else None
-    return steps, f"{what_it_is(culprit)}: {type(error).__name__}: {_error_text(error)}"
-
-
-def _step(parent: Any, child: Any, roles: dict[int, tuple[str, Any]], top_labels: dict[int, str]) -> str:
-    label = top_labels.get(id(child))
-    if label is not None:
-        return label
-    role = roles.get(id(parent), (None, None))[0]
-    child_role, whose = roles.get(id(child), (None, None))
-    if child_role == "globals" and isinstance(whose, types.FunctionType) and isinstance(parent, tuple):
-        return f"{whose.__qualname__}()"  # a method's globals, set once its class was made
-    if child_role in ("function state", "globals", "closure", "state", "arguments", "class attributes"):
-        return ""  # a container the pickler made for its parent: the next step names the content
-    if isinstance(parent, dict):
-        key = next((k for k, v in parent.items() if v is child), None)
-        if key is None:
-            return f"key {_short(child)}" if child in parent else ""
-        if role == "globals":
-            return f"global {key!r} ({_type_name(child)})"
-        if role == "closure":
-            return f"closure variable {key!r} ({_type_name(child)})"
-        if role in ("state", "class attributes"):
-            return f"attribute .{key} ({_type_name(child)})" if isinstance(key, str) else f"[{key!r}]"
-        if role == "function state":
-            return {"defaults": "defaults", "kwdefaults": "keyword defaults", "dict": "attributes",
-                    "annotations": "annotations"}.get(key, "")
-        return f"[{key!r}] ({_type_name(child)})"
-    if isinstance(parent, (list, tuple)):
-        index = next((i for i, v in enumerate(parent) if v is child), None)
-        if index is None:
-            return ""
-        if role == "arguments":
-            return f"argument {index} of {_type_name(roles[id(parent)][1])}'s reconstruction"
-        return f"[{index}] ({_type_name(child)})"
-    if isinstance(parent, (set, frozenset)):
-        return f"an element ({_type_name(child)})"
-    if isinstance(child, types.FunctionType):
-        return f"{child.__qualname__}()"
-    return ""
-
-
-def _type_name(obj: Any) -> str:
-    return "class" if isinstance(obj, type) else type(obj).__qualname__
-
-
-def _short(obj: Any) -> str:
-    try:
-        text = repr(obj)
-    except Exception:
-        text = f"<{_type_name(obj)}>"
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _error_text(error: BaseException) -> str:
-    try:
-        text = str(error)
-    except Exception:
-        text = "<unprintable>"
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
-def what_it_is(obj: Any) -> str:
-    """In words, with its type: ``an open file (TextIOWrapper '/tmp/log')``."""
-    kind = _type_name(obj)
-    if isinstance(obj, io.IOBase):
-        name = getattr(obj, "name", None)
-        return f"an open file ({kind}{f' {name!r}' if name is not None else ''})"
-    if isinstance(obj, socket.socket):
-        return f"a socket ({kind})"
-    if isinstance(obj, types.GeneratorType):
-        return f"a generator ({obj.__qualname__})"
-    if isinstance(obj, (types.CoroutineType, types.AsyncGeneratorType)):
-        return f"a coroutine ({kind})"
-    if isinstance(obj, threading.Thread):
-        return f"a thread ({obj.name})"
-    if isinstance(obj, types.FrameType):
-        return "a stack frame"
-    module = type(obj).__module__
-    if module == "sqlite3":
-        return f"a database connection ({kind})"
-    if isinstance(obj, types.FunctionType):
-        return f"the function {obj.__qualname__}"
-    return f"a {kind}" if module == "builtins" else f"a {module}.{kind}"
+    return True
