@@ -17,12 +17,6 @@ torch fails to import. Marked ``libraries`` (fastai imports in seconds).
 from __future__ import annotations
 
 import json
-import os
-import re
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -41,33 +35,10 @@ TRAINING_CELL = SCRIPT.read_text().split('if __name__ == "__main__":')[0]
 IMPORTS = "from fastai.tabular.all import *\nfrom fastai.distributed import *\nimport json, sys, mpify_nb\n"
 
 
-def torchrun() -> list[dict]:
-    """Rank results of ``torchrun --nproc-per-node 2 fastai_tabular.py``, by rank."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    env.pop("OMP_NUM_THREADS", None)  # torchrun's own rule decides, as in ranch
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-         str(SCRIPT)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: our own session
-            proc.wait()
-    assert proc.returncode == 0, err[-3000:]
-    results = [json.loads(m) for m in re.findall(r"RESULT (\{.*?\})\s*$", out, re.M)]
-    assert len(results) == 2, out
-    return sorted(results, key=lambda r: r["rank"])
-
-
 @pytest.fixture(scope="module")
 def expected() -> list[dict]:
-    return torchrun()
+    """Rank results of ``torchrun --nproc-per-node 2 fastai_tabular.py``, by rank."""
+    return nbutil.torchrun_results(SCRIPT, timeout=240)
 
 
 def _parse(cell, tag: str):

@@ -38,7 +38,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Optional, Union
 
-from ..wire.modules import Roots, site_paths  # noqa: F401  (site_paths: template.py asks us)
+from ..wire.modules import Roots, inside, site_paths  # noqa: F401  (site_paths: template.py asks us)
 
 _lock = threading.Lock()
 _enabled = True
@@ -107,19 +107,7 @@ def wanted(cwd: Optional[str] = None) -> list[str]:
     names = dict.fromkeys(named + learned)
     # Nor the submodules of a package left out: importing one imports the package again, and each
     # would cost a whole new candidate template to find out (ranks import all the notebook's modules).
-    return [n for n in names if not _inside(n, failed_now)]
-
-
-def _inside(name: str, packages: set[str]) -> bool:
-    """Is ``name`` one of ``packages``, or a submodule of one?"""
-    if not packages:
-        return False
-    dot = name.find(".")
-    while dot != -1:
-        if name[:dot] in packages:
-            return True
-        dot = name.find(".", dot + 1)
-    return name in packages
+    return [n for n in names if not inside(n, failed_now)]
 
 
 def _wanted_name(name: str) -> bool:

@@ -125,13 +125,13 @@ def _wanted(name: str, module: Any, roots: Roots) -> bool:
     else:
         verdict = _judge(name, module, roots)
         _verdicts[name] = (module, verdict)
-    return verdict and not _left_out(name, _leave_out)
+    return verdict and not inside(name, _leave_out)
 
 
 def _judge(name: str, module: Any, roots: Roots) -> bool:
     if module is None or name in ("__main__", "__mp_main__") or name.endswith(".__main__"):
         return False
-    if _left_out(name, KERNEL) or _left_out(name, LEAVE_OUT):
+    if inside(name, KERNEL) or inside(name, LEAVE_OUT):
         return False
     spec = getattr(module, "__spec__", None)
     file = getattr(module, "__file__", None)
@@ -140,8 +140,8 @@ def _judge(name: str, module: Any, roots: Roots) -> bool:
     return not roots.standard_library(file)
 
 
-def _left_out(name: str, names: Iterable[str]) -> bool:
-    """Is ``name`` one of ``names``, or inside one of those packages?"""
+def inside(name: str, names: Iterable[str]) -> bool:
+    """Is ``name`` one of ``names``, or a submodule of one of those packages?"""
     if not names:
         return False
     dot = name.find(".")

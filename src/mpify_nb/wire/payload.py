@@ -399,27 +399,27 @@ def pack_values(values: dict) -> PackedCall:
     return PackedCall(data, fds, modules.for_call())
 
 
-def unpack_values(data, fds) -> Any:
-    """Load what PackedCall.body() made: first import the modules it names, then the pickle."""
+def _after_imports(data, fds) -> io.BytesIO:
+    """Read what PackedCall.body() put ahead of the pickle and import those modules; the stream
+    is then at the pickle."""
     stream = io.BytesIO(data)
     try:
         modules.import_all(pickle.load(stream))
     except BaseException:
         close_fds(fds)
         raise
-    return loads(stream, fds, private=True)
+    return stream
+
+
+def unpack_values(data, fds) -> Any:
+    """Load what pack_values() made (and PackedCall.body() sent)."""
+    return loads(_after_imports(data, fds), fds, private=True)
 
 
 def unpack_call(data, fds, windows: Optional[dict[int, tuple[int, int]]] = None
                 ) -> tuple[Callable, tuple, dict, Any, dict, str]:
-    """Load what PackedCall.body() made: first import the modules it names, then the call."""
-    stream = io.BytesIO(data)
-    try:
-        modules.import_all(pickle.load(stream))
-    except BaseException:
-        close_fds(fds)
-        raise
-    *call, sources = loads(stream, fds, private=True, windows=windows)
+    """Load what pack_call() made (and PackedCall.body() sent)."""
+    *call, sources = loads(_after_imports(data, fds), fds, private=True, windows=windows)
     for filename, lines in sources.items():  # a warning's or traceback's source line, as in the notebook
         linecache.cache.setdefault(filename, (sum(map(len, lines)), None, lines, filename))
     return tuple(call)  # type: ignore[return-value]
