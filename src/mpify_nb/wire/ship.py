@@ -1,4 +1,4 @@
-"""What travels by reference and what by value, and where a value that cannot travel sits.
+"""What travels by reference and what by value.
 
 The payload's pickler (wire/payload.py) asks this module about every function it meets::
 
@@ -19,9 +19,13 @@ The payload's pickler (wire/payload.py) asks this module about every function it
 
 So the pickler walks the notebook's own functions and never a library's globals: a fastai
 metric used by a notebook function is one reference (``fastai.metrics.accuracy``), however
-its module's functions call each other. Classes follow the same rule through dill (by name
-when importable, by value when defined in the notebook). Functions shipped by value from one
-globals dict share one dict on the rank, as they share ``__main__`` in the notebook.
+its module's functions call each other. Functions shipped by value from one globals dict share
+one dict on the rank, as they share ``__main__`` in the notebook.
+
+Classes follow the same rule: by name when importable; by value when defined in the notebook,
+made on the rank from what their metaclass must see at creation (functions, properties,
+constants), everything else set on them once they exist (it may name the class: a registry,
+a dispatch table); enums from their members' values, then their methods.
 
 When pickling fails, wire/failpath.py names the path to the culprit the way the user wrote it::
 
