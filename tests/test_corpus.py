@@ -74,3 +74,24 @@ def test_every_corpus_function_ships_and_runs_alike_on_every_rank():
             failures[name + " (alone)"] = f"got {values!r}, the notebook {together[0][name]!r}"
     assert not failures, json.dumps(failures, indent=1)
     assert len(names) >= 29, names
+
+
+def test_every_public_name_of_fastai_ships_in_a_notebook_function():
+    """26 of fastai's exported names (accuracy, error_rate, mae, mse...) used to end in RecursionError.
+    A notebook function naming every public name of tabular.all, callback.all and distributed ships,
+    and on rank 1 each name is the very object the library holds there (checked by name)."""
+    cells = nbutil.run_cells([
+        "import json, sys, mpify_nb\nfrom mpify_nb import ranch\n"
+        "from fastai.tabular.all import *\nfrom fastai.callback.all import *\nfrom fastai.distributed import *\n"
+        "import fastai.tabular.all as _t, fastai.callback.all as _c, fastai.distributed as _d\n",
+        "NAMES = sorted({n for m in (_t, _c, _d) for n in dir(m) if not n.startswith('_') and n in globals()})\n"
+        "exec('def uses_every_name():\\n    return [' + ', '.join(NAMES) + ']\\n')\n"
+        "def check():\n"
+        "    values = uses_every_name()\n"
+        "    return len(values), sum(type(v).__name__ == 'function' for v in values)\n"
+        "print('NOTEBOOK', json.dumps([len(NAMES), check()]))\n"
+        "print('RANKS', json.dumps(ranch(2, check)))\n",
+    ], timeout=400)
+    count, mine = _parse(cells[1], "NOTEBOOK")
+    assert count > 700, count
+    assert _parse(cells[1], "RANKS") == [mine, mine]

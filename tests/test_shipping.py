@@ -247,3 +247,24 @@ def test_a_session_rank_gets_the_notebooks_modules_before_apply_and_push(patched
         s.push(thing=sys.modules[base].Thing())
         s.run("value = thing.extra()")
         assert s.pull("value", rank=None) == [42, 42]
+
+
+def test_an_object_a_library_module_holds_travels_by_name(library):
+    """An instance that is a global of an importable module (plum's ``dispatch``, fastai's ``defaults``)
+    is the rank's own, as its module made it, not a copy of the notebook's."""
+    name = library("""
+        import os
+        class Registry:
+            def __init__(self):
+                self.pid = os.getpid()
+        REGISTRY = Registry()
+        """)
+    nb = notebook(f"""
+        import os
+        from {name} import REGISTRY
+        def whose():
+            return REGISTRY.pid == os.getpid(), REGISTRY is __import__({name!r}).REGISTRY
+        """)
+    data, fds = payload.dumps(nb["whose"])
+    assert b"Registry" not in data  # a name, not its class and state
+    assert mpify_nb.ranch(2, nb["whose"], caller_rank=None) == [(True, True), (True, True)]

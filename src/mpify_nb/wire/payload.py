@@ -136,6 +136,9 @@ class _Pickler(failpath.PathTracker, dill.Pickler):
             return ship.reduce_enum(obj)
         if kind is ship.ModuleGlobals:
             return ship.reduce_module_globals(obj)
+        where = ship.held_by_module(obj)
+        if where is not None:
+            return ship.reduce_held(where)
         builtin_name = _swapped_builtin(obj)
         if builtin_name is not None:
             return getattr, (builtins, builtin_name)
