@@ -268,3 +268,7 @@ def test_an_object_a_library_module_holds_travels_by_name(library):
     data, fds = payload.dumps(nb["whose"])
     assert b"Registry" not in data  # a name, not its class and state
     assert mpify_nb.ranch(2, nb["whose"], caller_rank=None) == [(True, True), (True, True)]
+    # Back from a rank, it is that rank's value (its pid), not the notebook's object of that name.
+    nb2 = notebook(f"from {name} import REGISTRY\ndef give():\n    return REGISTRY\n")
+    pids = [r.pid for r in mpify_nb.ranch(2, nb2["give"], caller_rank=None)]
+    assert len(set(pids)) == 2 and sys.modules[name].REGISTRY.pid not in pids

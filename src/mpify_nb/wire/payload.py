@@ -136,7 +136,8 @@ class _Pickler(failpath.PathTracker, dill.Pickler):
             return ship.reduce_enum(obj)
         if kind is ship.ModuleGlobals:
             return ship.reduce_module_globals(obj)
-        where = ship.held_by_module(obj)
+        # To the ranks, what a module holds is the rank's own; a rank's answer is its value, though.
+        where = None if self._classes_by_name else ship.held_by_module(obj)
         if where is not None:
             return ship.reduce_held(where)
         builtin_name = _swapped_builtin(obj)
