@@ -122,13 +122,15 @@ def _index() -> None:
         except TypeError:
             continue
         for name, value in items:
-            if not name.startswith("__") and not isinstance(value, _SCALARS):
+            # type(), not isinstance(): that would read __class__, which some objects warn about
+            # (torch.distributed.reduce_op) or compute.
+            if not name.startswith("__") and not issubclass(type(value), _SCALARS):
                 _held.setdefault(id(value), (module_name, name))
 
 
 def held_by_module(obj: Any) -> Optional[tuple[str, str]]:
     """(module, name) when ``obj`` is that global of an importable module (checked, not guessed)."""
-    if isinstance(obj, _SCALARS):
+    if issubclass(type(obj), _SCALARS):
         return None
     if _indexed_at[0] != len(sys.modules):
         _index()
