@@ -16,6 +16,7 @@ torch fails to import. Marked ``libraries`` (fastai imports in seconds).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -23,7 +24,8 @@ import pytest
 
 pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
-pytest.importorskip("fastai.tabular.all", reason="fastai is not installed (pip install mpify_nb[test])")
+if importlib.util.find_spec("fastai") is None:  # not imported here: kernels import it
+    pytest.skip("fastai is not installed (pip install mpify_nb[test])", allow_module_level=True)
 
 import nbutil  # noqa: E402
 
@@ -32,7 +34,8 @@ pytestmark = pytest.mark.libraries
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "fastai_tabular.py"
 TRAINING_CELL = SCRIPT.read_text().split('if __name__ == "__main__":')[0]
 # What a fastai notebook starts with: everything fastai exports, patches and metrics included.
-IMPORTS = "from fastai.tabular.all import *\nfrom fastai.distributed import *\nimport json, sys, mpify_nb\n"
+IMPORTS = ("from fastai.tabular.all import *\nfrom fastai.distributed import *\nimport json, sys, mpify_nb\n"
+           "mpify_nb.set_rank_imports(True)  # on, as by default (conftest turns it off for the suite)\n")
 
 
 @pytest.fixture(scope="module")

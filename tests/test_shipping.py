@@ -23,6 +23,16 @@ from mpify_nb import PayloadError
 from mpify_nb.wire import modules, payload
 
 
+@pytest.fixture(autouse=True)
+def rank_imports():
+    """On, as by default (conftest turns it off for the rest of the suite)."""
+    was = modules._enabled
+    mpify_nb.set_rank_imports(True)
+    yield
+    modules._enabled = was
+    modules._cache.clear()
+
+
 def notebook(source: str) -> dict:
     """Run ``source`` as a notebook cell would (globals named __main__); return its namespace."""
     namespace = {"__name__": "__main__"}
