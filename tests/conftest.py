@@ -19,6 +19,12 @@ import pytest
 # check a call leaves no process or thread behind. Off by default here, and in the kernels tests
 # start (they inherit this environment); test_preload.py and test_libraries.py turn it on.
 os.environ.setdefault("MPIFY_NB_PRELOAD", "0")
+# Ranks import what the caller imported before each call (wire/modules.py). This process is no
+# notebook: it holds the test tooling and every library a test module imports (at collection:
+# ray, fastai, sklearn...), and without preloading each rank of every call would import them
+# all again. Off here and in the kernels tests start; test_shipping, test_preload, test_fastai and
+# test_corpus turn it on (set_rank_imports(True)).
+os.environ.setdefault("MPIFY_NB_RANK_IMPORTS", "0")
 
 # nbutil sits next to this file; make it importable as a plain module from any test.
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -279,10 +279,13 @@ def test_push_and_pull_big_tensors_and_arrays_through_shared_memory(session):
 
 
 def test_apply_runs_a_notebook_function_that_sees_the_rank_namespace(session):
-    scale = 3
-
-    def f(a, b=0):
-        return rank * scale + a + b  # noqa: F821  (rank lives in the rank's namespace)
+    # A notebook cell: its globals are __main__'s, so f travels by value and sees the rank's names
+    # (a function of an importable module, this one's included, runs in that module's globals).
+    cell = {"__name__": "__main__"}
+    exec("scale = 3\n"
+         "def f(a, b=0):\n"
+         "    return rank * scale + a + b\n", cell)  # rank lives in the rank's namespace
+    f = cell["f"]
 
     assert session.apply(f, 1, b=10) == {0: 11, 1: 14}
     assert session.apply(f, 0, ranks=1) == {1: 3}

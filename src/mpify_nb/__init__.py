@@ -37,6 +37,7 @@ from .start.placement import get_placement, get_start_method, set_placement, set
 from .start.template import set_preload
 from .wire import errors
 from .wire.errors import PayloadError, RankError, RankExitedError, RankRaisedError
+from .wire.modules import set_rank_imports
 
 __version__ = "0.1.0"
 
@@ -58,6 +59,7 @@ __all__ = [
     "get_placement",
     "placement",
     "set_preload",
+    "set_rank_imports",
 ]
 
 

@@ -337,10 +337,15 @@ class _Call:
             except TimeoutError as e:
                 raise TimeoutError(f"ranch: the call did not finish within {self.timeout:g} s: {e}") from None
         # The setup and the call right after the fork: a rank loads while the next one is born.
-        call = pack(CALL, _REQUEST, packed.data)
+        # Ahead of the call, the modules it must import first that its template does not hold.
+        calls: dict[Optional[frozenset], bytes] = {}
         for r, handle in self.ranks.items():
             rank_env = dict(base, **layout.env_of(r))
             setup = pickle.dumps(dict(common, rank=r, env=rank_env))
+            held = getattr(handle.process, "modules_held", None)
+            call = calls.get(held)
+            if call is None:
+                call = calls[held] = pack(CALL, _REQUEST, packed.body(held))
             try:
                 framing.send(handle.channel, setup)
                 framing.send(handle.channel, call, packed.fds)

@@ -167,7 +167,7 @@ def _handle(kind: bytes, req_id: int, body, fds: list[int], namespace: dict,
             payload.lend_names(fn, namespace)
             value = _in_user_code(state, fn, *args, **kwargs)
         elif kind == PUSH:
-            values = payload.loads(body, fds, private=True)
+            values = payload.unpack_values(body, fds)
             fds = []
             # What the push replaces is freed after the answer (unmapping 64 MB takes ~10 ms).
             _replaced.extend(namespace[k] for k in values if k in namespace)

@@ -416,6 +416,8 @@ class _ForkedRank(_Pidfd):
         super().__init__(pid)
         self._client = client
         self._code: Optional[int] = None
+        #: the modules it was born holding (its template's): a call need not ask it to import them
+        self.modules_held: Optional[frozenset[str]] = client.modules
 
     def exit_code(self, timeout: float) -> Optional[int]:
         if self._code is None:

@@ -124,6 +124,8 @@ class TemplateClient:
         self._closing = False  # a thread is closing it
         self._held: set[str] = set()  # modules it was found to hold besides those it preloaded
         self._has: dict[int, list[str]] = {}
+        #: every module it holds (its sys.modules once ready): what a rank forked from it need not import
+        self.modules: Optional[frozenset[str]] = None
         self._retiring = False
         try:
             framing.send(self._control, pickle.dumps(("preload", self.preload, list(paths))))
@@ -314,6 +316,7 @@ class TemplateClient:
                 with self._cond:
                     if reply[0] == READY:
                         self.failed = reply[2]
+                        self.modules = frozenset(reply[3]) if len(reply) > 3 else None
                         self._ready = True
                     elif reply[0] == FORKED:
                         self._forked[reply[1]] = reply[2]
