@@ -19,12 +19,6 @@ import pytest
 # check a call leaves no process or thread behind. Off by default here, and in the kernels tests
 # start (they inherit this environment); test_preload.py and test_libraries.py turn it on.
 os.environ.setdefault("MPIFY_NB_PRELOAD", "0")
-# Ranks import what the caller imported before each call (wire/modules.py). This process is no
-# notebook: it holds the test tooling and every library a test module imports (at collection:
-# ray, fastai, sklearn...), and without preloading each rank of every call would import them
-# all again. Off here and in the kernels tests start; test_shipping, test_preload, test_fastai and
-# test_corpus turn it on (set_rank_imports(True)).
-os.environ.setdefault("MPIFY_NB_RANK_IMPORTS", "0")
 
 # nbutil sits next to this file; make it importable as a plain module from any test.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -60,3 +54,14 @@ def sigint_handler():
         yield
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Ranks import what the caller imported before each call (wire/modules.py). The pytest process is no
+    notebook: it holds the test tooling and every library a test module imports at collection (ray, fastai,
+    sklearn...), so each rank of every in-process call would import them all again. Off in this process
+    only; the kernels and scripts the tests start keep the default, as a user's notebook has it
+    (test_shipping and test_preload turn it on here where they test it)."""
+    from mpify_nb.wire import modules
+
+    modules.set_rank_imports(False)

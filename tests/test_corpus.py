@@ -43,7 +43,7 @@ def _parse(cell, tag: str):
 def test_every_corpus_function_ships_and_runs_alike_on_every_rank():
     cells = nbutil.run_cells([
         "import json, mpify_nb\nfrom mpify_nb import ranch, in_torchddp\nmpify_nb.set_preload(True)\n"
-        "mpify_nb.set_rank_imports(True)  # on, as by default (conftest turns it off for the suite)\n",
+        "mpify_nb.set_rank_imports(True)  # on, as by default\n",
         CORPUS,
         "print('NAMES', json.dumps([f.__name__ for f in CORPUS]))",
         # All in one call (one payload)...

@@ -35,7 +35,7 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "fastai_tabular.py"
 TRAINING_CELL = SCRIPT.read_text().split('if __name__ == "__main__":')[0]
 # What a fastai notebook starts with: everything fastai exports, patches and metrics included.
 IMPORTS = ("from fastai.tabular.all import *\nfrom fastai.distributed import *\nimport json, sys, mpify_nb\n"
-           "mpify_nb.set_rank_imports(True)  # on, as by default (conftest turns it off for the suite)\n")
+           "mpify_nb.set_rank_imports(True)  # on, as by default\n")
 
 
 @pytest.fixture(scope="module")

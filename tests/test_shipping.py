@@ -25,7 +25,7 @@ from mpify_nb.wire import modules, payload
 
 @pytest.fixture(autouse=True)
 def rank_imports():
-    """On, as by default (conftest turns it off for the rest of the suite)."""
+    """On, as by default (conftest turns it off in the pytest process for the rest of the suite)."""
     was = modules._enabled
     mpify_nb.set_rank_imports(True)
     yield

@@ -85,10 +85,25 @@ def set_rank_imports(enabled: bool = True, *, leave_out: Sequence[str] = ()) -> 
     this way, e.g. one that starts a server or touches the GPU at import. ``enabled=False``:
     ranks import only what the shipped names pull in (and what ``imports=`` says).
 
-    Example (a notebook cell)::
+    Example (a notebook cell): a module the notebook imported is there on every rank, though the
+    function never names it:
 
-        import mpify_nb
-        mpify_nb.set_rank_imports(leave_out=["wandb"])
+    ```python
+    import sys
+    import pandas as pd                  # imported in the notebook only
+    import mpify_nb
+
+    mpify_nb.set_rank_imports(leave_out=["wandb"])   # never import wandb on the ranks this way
+
+    def pandas_is_here():
+        return "pandas" in sys.modules   # the function does not name pandas
+
+    mpify_nb.ranch(2, pandas_is_here)
+    ```
+
+    ```output
+    [True, True]
+    ```
     """
     global _enabled
     if isinstance(leave_out, str):
