@@ -1,7 +1,8 @@
 """End to end in a real browser (issue 29): JupyterLab in headless Chromium, its debugger panel on,
 a breakpoint clicked in the gutter of a cell that runs on 2 ranks, and the variables panel showing
-rank 1's local, then a step. Screenshots of the page are kept for the docs (docs/images/debugger-panel.png,
-docs/images/debugger-step.png).
+rank 1's local, then a step. Screenshots of the page go to the test's tmp folder, or, with
+``MPIFY_NB_SCREENSHOTS=docs``, over the docs' pictures (docs/images/debugger-panel.png and
+debugger-step.png).
 
 Skipped where Debian's ``chromium``/``chromium-driver`` or JupyterLab and selenium are missing.
 Nothing is downloaded: selenium drives /usr/bin/chromium through /usr/bin/chromedriver.
@@ -36,7 +37,8 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
-SCREENSHOT = nbutil.REPO_ROOT / "docs" / "images" / "debugger-panel.png"
+# The docs' pictures are refreshed on request only (a test run leaves the checkout as it was).
+SCREENSHOTS = (nbutil.REPO_ROOT / "docs" / "images") if os.environ.get("MPIFY_NB_SCREENSHOTS") == "docs" else None
 KERNEL = "mpify-nb-lab"
 CELLS = ["%load_ext mpify_nb", "%dist_init -n 2", "x = rank * 10\nif rank == 1:\n    y = x + 1\nx"]
 WAIT = 90.0
@@ -140,7 +142,7 @@ def _output(driver, index: int) -> str:
     return "\n".join(o.text for o in cell.find_elements(By.CSS_SELECTOR, ".jp-OutputArea-output"))
 
 
-def test_jupyterlab_debugger_panel_shows_rank_1_stopped_in_the_gutter_breakpoint(lab, browser):
+def test_jupyterlab_debugger_panel_shows_rank_1_stopped_in_the_gutter_breakpoint(lab, browser, tmp_path):
     url, _marker = lab
     driver = browser
     driver.get(url)
@@ -181,13 +183,13 @@ def test_jupyterlab_debugger_panel_shows_rank_1_stopped_in_the_gutter_breakpoint
     assert "x" in text and "10" in text
     callstack = driver.find_element(By.CSS_SELECTOR, ".jp-DebuggerCallstack").text
     assert "<module>" in callstack and "mpify_nb" not in callstack
-    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-    driver.save_screenshot(str(SCREENSHOT))
+    shots = SCREENSHOTS or tmp_path
+    driver.save_screenshot(str(shots / "debugger-panel.png"))
     # next: rank 1 steps to line 4, its new local in the panel
     _click_titled(driver, "Next (F10)")
     _wait(driver, lambda d: [e for e in d.find_elements(By.CSS_SELECTOR, ".jp-DebuggerVariables")
                              if "y" in e.text and "11" in e.text], "the variables panel never showed y = 11")
-    driver.save_screenshot(str(SCREENSHOT.with_name("debugger-step.png")))
+    driver.save_screenshot(str(shots / "debugger-step.png"))
     # continue: the cell finishes with both ranks' values
     _click_titled(driver, "Continue (F9)")
     _wait(driver, lambda d: "[rank 1] 10" in _output(d, 2), "the cell did not finish after continue")

@@ -22,6 +22,7 @@ import helpers_ranks as hr
 import mpify_nb
 from helpers_ranch import assert_next_call_works
 from mpify_nb.start import template
+from mpify_nb.wire import modules as rank_modules
 from test_preload import fresh, unused  # noqa: F401  (fresh: a fixture)
 
 NO_HANG = 120.0
@@ -46,10 +47,12 @@ def _has_read_an_answer(client: template.TemplateClient) -> bool:
 
 
 def test_a_template_replaced_while_it_forks_a_rank_keeps_that_rank_and_forks_no_more(monkeypatch):
+    # The call must not first ask the template which of this process's modules it holds (an
+    # answer that would come before FORKED): the moment held below is FORKED's.
+    monkeypatch.setattr(rank_modules, "_enabled", False)
     assert_next_call_works()
     old = template.get_template()
     old.wait_ready()
-    asked = old._next_id
     os.kill(old.pid, signal.SIGSTOP)  # it cannot answer the FORK the call is about to send
     outcome: list = []
 
@@ -62,7 +65,7 @@ def test_a_template_replaced_while_it_forks_a_rank_keeps_that_rank_and_forks_no_
     thread = threading.Thread(target=call)
     try:
         thread.start()
-        _wait_until(lambda: old._next_id > asked, "the call asked the template for a rank")
+        _wait_until(lambda: bool(old._in_flight), "the call asked the template for a rank")
         with old._cond:  # the reader cannot count the rank it forks until we let go
             os.kill(old.pid, signal.SIGCONT)
             _wait_until(lambda: _has_read_an_answer(old), "the template answered FORKED")
