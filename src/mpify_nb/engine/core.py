@@ -30,6 +30,7 @@ registers (:meth:`Engine.on`) and in its ``on_death``/``on_wake``::
     |   pidfd             -> on_death(m)      <── it died (signal, segfault, OOM, its node)
     |   wake pipe         -> prompt answers (ANSWER to the rank); on_wake(bytes): SIGINT
     | ASK: prompts.Prompter asks the user; time_left() does not count that wait      |
+    | watch (engine/watch.py): LOOK now and then, SEEN / RETURNED -> verdict.judge   |
     | bury(m): kill, wait, end what it left; close its fds                           |
     +--------------------------------------------------------------------------------+
 
@@ -58,6 +59,7 @@ from ..wire import framing, payload
 from ..wire.errors import RankExitedError
 from ..wire.protocol import ANSWER, ASK, pack, unpack
 from . import interrupts, prompts
+from . import watch as collective_watch
 
 
 class Member:
@@ -124,6 +126,8 @@ class Engine:
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.selector.register(self.wake_r, selectors.EVENT_READ, ("wake", None))
         self.closed = False
+        #: the collective watch (engine/watch.py): looks at a call's ranks, judges what they wait in
+        self.watch = collective_watch.Watch(self)
         for install in list(_capabilities):
             install(self)
 
@@ -195,10 +199,17 @@ class Engine:
 
     def send_control(self, m: Member, kind: bytes, req: int, body: bytes = b"") -> None:
         """A frame for ``m``'s control thread (on its channel when it has no control channel)."""
+        self.send_control_ok(m, kind, req, body)
+
+    def send_control_ok(self, m: Member, kind: bytes, req: int, body: bytes = b"") -> bool:
+        """send_control; False when ``m`` is gone."""
+        if m.buried or (m.control is None and not m.channel_open):
+            return False
         try:
             framing.send(m.control if m.control is not None else m.channel, pack(kind, req, body))
+            return True
         except OSError:
-            pass
+            return False
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -364,6 +375,7 @@ class Engine:
 
     def close(self) -> None:
         """After every rank is buried: the loop's own fds."""
+        self.watch.end()
         self.closed = True
         self.selector.close()
         os.close(self.wake_r)

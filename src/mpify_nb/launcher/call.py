@@ -13,7 +13,9 @@ the ranks exit after it. Data flow of one call::
     wait for every READY  <──────────────────────────────────  READY
     send GO to all ─────────────────────────────────────────> (no rendezvous before every rank loaded)
     [caller enters ctx, runs fn:       (watch thread:           enters ctx, runs fn
-     launcher/own_rank.py]                       engine.pump)
+     launcher/own_rank.py]                       engine.pump,
+                                         engine/watch.py: LOOK ──> control thread: SEEN
+                                        <─── RETURNED ─────────  fn returned (its group up)
                                         <─── DONE / FAIL ─────  sends its answer, exits
                                         <─── pidfd readable ─── (or dies: signal, segfault, OOM)
     relay thread  <────────────── stdout/stderr pipes ───────  print(...)          (relay/pipes.py)
@@ -25,6 +27,12 @@ in a gloo collective gets an error within ~2 s, a caller blocked in the
 rendezvous is freed at once (the TCPStore lives in a spawned rank, not in the
 caller), and a caller running Python code is interrupted with a signal. The call
 then raises the root cause.
+
+Ranks that wait in collectives that can never finish (another op, other sizes, a peer that
+returned without joining: engine/verdict.py) are found by the engine's collective watch, as in
+a Session: the call ends with ``CollectiveError``, the caller's own rank unstuck by cutting its
+connections to the others. A rank's error raised inside a collective (gloo's "Connection
+closed by peer") is held a moment and explained the same way (``_explain``).
 """
 
 from __future__ import annotations
@@ -38,16 +46,20 @@ import time
 from typing import Any, Callable, Optional
 
 from ..engine import core, interrupts
+from ..engine import verdict as verdicts
 from ..relay.pipes import OutputRelay
 from ..start import placement, preload, template
-from ..torchdist import libraries
+from ..torchdist import libraries, waits
 from ..wire import framing, payload
-from ..wire.errors import PayloadError, RankError, RemoteFailure, safe_str
+from ..wire.errors import CollectiveError, PayloadError, RankError, RemoteFailure, safe_str
 from ..wire.protocol import CALL, DONE, FAIL, GO, IMPORTED, READY, pack
 from . import own_rank
 
 # Seconds a finished rank may take to exit after sending its value before it is killed.
 _EXIT_GRACE = 5.0
+#: How long a rank's error raised inside a collective waits for news of the group's other ranks
+#: (one that returned without joining it, or raised first) before it is taken as the root cause.
+_EXPLAIN_PATIENCE = 0.5
 #: The request id of a call's one request (CALL) to each of its ranks.
 _REQUEST = 1
 
@@ -216,6 +228,7 @@ class _Call:
         self.timeout = timeout
         self.imported: list[tuple[str, Optional[str]]] = []  # modules the ranks imported (start/preload.py)
         self.failure: Optional[BaseException] = None
+        self.failed_ranks: set[int] = set()  # ranks that sent an error
         # A rank's error held while a rank whose death is seen late (on another host) may have died
         # first: the error may be its echo ("Connection closed by peer"). (error, held until when)
         self.held: Optional[tuple[BaseException, float]] = None
@@ -223,6 +236,8 @@ class _Call:
         self.interrupted = False  # the user pressed stop (SIGINT)
         self.aborting = False  # we are stopping the ranks: their deaths are no news
         self.finished = False  # the caller's own rank is done; the watch may end
+        self.own_returned = False  # the caller's own rank returned from fn
+        self.layout: Optional[placement.Layout] = None
         self.own = own_rank.OwnRank(self.cond)
         self.engine = core.Engine(OutputRelay(sys.stdout, sys.stderr), pump_output=False)
         self.engine.open_prompts()  # ranks' reads of stdin, asked of the user (on this thread)
@@ -233,6 +248,7 @@ class _Call:
         self.engine.on_death = self._on_death
         self.engine.on_wake = self._on_wake
         self.ranks: dict[int, _Rank] = self.engine.members
+        self.watch = self.engine.watch  # the collective watch (engine/watch.py)
 
     # -- the whole call ------------------------------------------------------------------
 
@@ -264,7 +280,7 @@ class _Call:
         watcher: Optional[threading.Thread] = None
         placer = placement.get_placer()
         try:
-            layout = placer.reserve(self.nprocs, self.caller_rank, self._time_left())
+            layout = self.layout = placer.reserve(self.nprocs, self.caller_rank, self._time_left())
             env = _world_env(layout, self.nprocs, self.caller_rank)
             self._start_ranks(placer, layout, packed, env)
             relay.start()
@@ -272,6 +288,7 @@ class _Call:
             if self.failure is None and not self.interrupted:
                 for handle in self.ranks.values():
                     self.engine.send(handle, GO, _REQUEST)  # one that just died: the watch reports how
+                self._begin_watch()
                 if self.caller_rank is None:
                     self._watch(until=self._all_done)
                 else:
@@ -290,11 +307,15 @@ class _Call:
             for r in self.ranks.values():
                 values[r.rank] = r.value
             return values
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             self.interrupted = True
+            where = self._where_they_were()
+            if where and not e.args:
+                raise KeyboardInterrupt(f"every rank was stopped; where they were: {where}") from None
             raise
         finally:
             self.finished = True
+            self.watch.end()
             self.engine.close_prompts()  # the ranks are done or stopped: no one reads the answers
             self._stop_all()
             for handle in self.ranks.values():
@@ -345,29 +366,139 @@ class _Call:
         """Handle rank events until ``until()`` holds or a failure was recorded."""
         while self.failure is None and not self.interrupted:
             if self.held is not None:
-                if time.monotonic() >= self.held[1]:
+                if time.monotonic() >= self.held[1] or self._held_answered():
                     break
             elif until():
                 break
             wait = self.engine.time_left(self.deadline)  # time a rank waits for the user is not the call's
             if wait is not None and wait <= 0:
-                running = sorted(r.rank for r in self.ranks.values() if not r.done)
-                if self.caller_rank is not None and not self.finished:
-                    running = sorted(running + [self.caller_rank])
-                self._fail(TimeoutError(
-                    f"ranch: the call did not finish within {self.timeout:g} s "
-                    f"(ranks still running: {running}); every rank was stopped"))
+                self._time_out()
+                return
+            verdict = self.watch.verdict
+            if verdict is not None and self.held is None:
+                self._collective_failed(verdict)
                 return
             if self.held is not None:
                 left = max(0.0, self.held[1] - time.monotonic())
                 wait = left if wait is None else min(wait, left)
+            looks = self.watch.tick()
+            if looks is not None:
+                wait = looks if wait is None else min(wait, looks)
             self.engine.pump(wait)
         self._release_held()  # a death noticed meanwhile is recorded already: the error joins it
+
+    def _time_out(self) -> None:
+        running = sorted(r.rank for r in self.ranks.values() if not r.done)
+        if self.caller_rank is not None and not self.finished:
+            running = sorted(running + [self.caller_rank])
+        where = ""
+        if self.watch.active:
+            snaps = self.watch.look_now(self.engine.pump, within=0.3)
+            where = self.watch.where_text(snaps=snaps)
+        where = f"; where they were: {where}" if where else ""
+        self._fail(TimeoutError(f"ranch: the call did not finish within {self.timeout:g} s "
+                                f"(ranks still running: {running}{where}); every rank was stopped"))
+
+    # -- the collective watch (engine/watch.py) --------------------------------------------
+
+    def _begin_watch(self) -> None:
+        own = None
+        if self.caller_rank is not None:
+            rank, thread, native = self.caller_rank, self.own.thread_id, self.own.native_id
+
+            def own(stack: bool) -> Optional[waits.Snapshot]:
+                if self.finished or self.own_returned:
+                    return None
+                return waits.snapshot(rank, thread, native, stack=stack)
+
+        self.watch.begin(self.nprocs, lambda: [r for r in self.ranks.values() if not r.done],
+                         self._absent, own, self.caller_rank,
+                         prompts=lambda: frozenset(self.engine.prompter.asking() if self.engine.prompter else ()))
+
+    def _absent(self) -> dict[int, str]:
+        """The ranks that left the call: their fn returned."""
+        gone = {r.rank: "returned from fn" for r in self.ranks.values()
+                if r.done and r.rank not in self.failed_ranks or r.rank in self.watch.kept}
+        if self.caller_rank is not None and self.own_returned:
+            gone[self.caller_rank] = "returned from fn"
+        return gone
+
+    def _collective_failed(self, verdict: verdicts.Verdict) -> None:
+        """Ranks wait in collectives that can never finish: stop every rank and say why. The
+        caller's own rank, blocked in C++, is unstuck by cutting its connections to the others."""
+        error = CollectiveError(verdict.waiting, verdict.missing, verdict.label, rebuilt=None, what=verdict.what,
+                                kind=verdict.kind, culprit=verdict.culprit)
+        if self.caller_rank is not None and not self.finished:
+            self._unstick_own_rank()
+        self._fail(error)
+
+    def _unstick_own_rank(self) -> None:
+        from ..rank import group
+
+        peers = [(r.pid, self.layout.nodes[r.rank] if self.layout is not None else "127.0.0.1")
+                 for r in self.ranks.values() if not r.buried]
+        try:
+            group.cut_connections(peers)
+            group.abort_nccl()
+        except Exception:
+            pass  # the ranks' deaths end its collective too, in about 2 s
+
+    def _held_answered(self) -> bool:
+        """A held error's group: has every other rank of it answered (returned, done, failed)?"""
+        error = self.held[0] if self.held is not None else None
+        context = getattr(error, "context", None)
+        if context is None or context.blocked is None:
+            return False
+        members = context.blocked.members(self.nprocs)
+        absent = self._absent()
+        return all(r == error.rank or r in absent or (r in self.ranks and self.ranks[r].done)
+                   for r in members)
+
+    def _explain(self, error: BaseException) -> BaseException:
+        """A rank's error raised inside a collective: a peer that returned without joining it, or
+        that issued another one under its number, is the news, not gloo's "Connection closed"."""
+        context = getattr(error, "context", None)
+        if not isinstance(error, RankError) or context is None:
+            return error
+        snaps = {error.rank: context}
+        absent = self._absent()
+        absent.pop(error.rank, None)
+        for rank in absent:
+            if rank in self.watch.kept:
+                snaps[rank] = self.watch.kept[rank]
+        for rank, snap in self.watch.snaps.items():
+            if rank != error.rank and rank not in absent:
+                snaps[rank] = snap
+        verdict = verdicts.judge(snaps, self.nprocs, absent)
+        if verdict is None or verdict.kind == "deadlock" or error.rank not in verdict.waiting + [verdict.culprit]:
+            return error
+        explained = CollectiveError(verdict.waiting, verdict.missing, verdict.label, rebuilt=None,
+                                    what=verdict.what, kind=verdict.kind, culprit=verdict.culprit)
+        explained.__cause__ = error
+        explained.when = error.when
+        return explained
+
+    def _where_they_were(self) -> str:
+        """Where the ranks were at the last look (for the stop button's KeyboardInterrupt)."""
+        try:
+            return self.watch.where_text() if self.watch.snaps else ""
+        except Exception:
+            return ""
 
     def _release_held(self) -> None:
         if self.held is not None:
             error, self.held = self.held[0], None
-            self._fail(error)
+            self._fail(self._explain(error))
+
+    def _hold(self, error: BaseException, patience: float) -> bool:
+        """Hold a rank's error ``patience`` seconds (the watch thread releases it); False when
+        another is held already, or the call has failed."""
+        with self.cond:
+            if self.failure is not None or self.held is not None:
+                return False
+            self.held = (error, time.monotonic() + patience)
+        self.engine.wake()
+        return True
 
     def _on_wake(self, data: bytes) -> None:
         for signum in data:
@@ -397,6 +528,7 @@ class _Call:
 
     def _on_error(self, handle: _Rank, req: int, body: Any, fds: list) -> None:
         handle.done = True
+        self.failed_ranks.add(handle.rank)
         payload.close_fds(fds)
         failure: RemoteFailure = pickle.loads(body)[0]
         error = failure.to_error(handle.rank, payload.loads)
@@ -405,8 +537,9 @@ class _Call:
         # A rank whose death we see only through its link (on another host) may have died before
         # this error was raised, and caused it: wait that long for the news before choosing the root cause.
         patience = max((r.process.death_latency for r in self.ranks.values() if not r.done), default=0.0)
-        if patience > 0 and self.failure is None and self.held is None:
-            self.held = (error, time.monotonic() + patience)
+        if error.context is not None:  # raised in a collective: a peer may have left it (_explain)
+            patience = max(patience, _EXPLAIN_PATIENCE)
+        if patience > 0 and self._hold(error, patience):
             return
         self._fail(error)
 
@@ -460,6 +593,7 @@ class _Call:
         run() raises the root cause once it has heard from every rank."""
         rank = self.caller_rank
         assert rank is not None
+        waits.mark_groups_born()  # what this process's recorder holds is of its earlier calls
         with self.own.running(env, self.engine.wake_w):
             try:
                 with self.own.user_code():
@@ -468,9 +602,13 @@ class _Call:
                         exec(compile(self.imports, "<imports>", "exec"), sys.modules["__main__"].__dict__)
                     with libraries.launched_externally():
                         if ctx is None:
-                            return fn(*args, **kwargs)
+                            value = fn(*args, **kwargs)
+                            self._own_rank_returned(rank)
+                            return value
                         with ctx:
-                            return fn(*args, **kwargs)
+                            value = fn(*args, **kwargs)
+                            self._own_rank_returned(rank)  # before ctx.__exit__ tears the group down
+                            return value
             except own_rank.Aborted:
                 return None  # another rank failed first; run() reports it
             except KeyboardInterrupt:
@@ -480,6 +618,14 @@ class _Call:
                 self.engine.kill_all()
                 raise
             except BaseException as e:
+                failure = RemoteFailure.capture(e, lambda exc: None).to_error(rank, payload.loads)
+                failure.__cause__ = e
+                try:
+                    failure.context = waits.snapshot_of_failure(rank, e)
+                except Exception:
+                    pass  # only a clearer error is lost
+                if failure.context is not None and self.failure is None and self._hold(failure, _EXPLAIN_PATIENCE):
+                    return None  # raised in a collective: the watch thread explains it (_explain)
                 # Is this the echo of a peer's failure (e.g. "Connection closed by peer")?
                 # Then the peer's own report is on its way: give it a moment.
                 if self.failure is None:
@@ -489,10 +635,20 @@ class _Call:
                         (r.process.death_latency for r in running), default=0.0)
                     with self.cond:
                         self.cond.wait_for(lambda: self.failure is not None or self.interrupted, timeout=patience)
-                failure = RemoteFailure.capture(e, lambda exc: None).to_error(rank, payload.loads)
-                failure.__cause__ = e
                 self._fail(failure)
                 return None
+
+    def _own_rank_returned(self, rank: int) -> None:
+        """The caller's own fn returned: what it issued goes to the watch before its group is
+        torn down (a peer still waiting in a collective it never joined is told so)."""
+        try:
+            snap = waits.snapshot_of_return(rank)
+        except Exception:
+            snap = None
+        self.own_returned = True
+        if snap is not None:
+            self.watch.returned(rank, snap)
+            self.engine.wake()
 
     def interrupt_from_signal(self) -> None:
         """The user pressed stop while this call runs on a thread other than the main one
@@ -531,8 +687,9 @@ def _world_env(layout: placement.Layout, nprocs: int, caller_rank: Optional[int]
     """The variables every rank gets alike; layout.env_of(rank) adds each one's own."""
     store_rank = next((r for r in range(nprocs) if r != caller_rank), 0)
     # The rendezvous store lives in a spawned rank: killing the ranks then
-    # frees a caller blocked in the rendezvous (see ddp.py).
-    return dict(layout.world_env(nprocs), MPIFY_NB_STORE_RANK=str(store_rank))
+    # frees a caller blocked in the rendezvous (see ddp.py). Groups record their collectives in
+    # a small ring, for the collective watch (torchdist/waits.py).
+    return dict(layout.world_env(nprocs), MPIFY_NB_STORE_RANK=str(store_rank), **waits.recorder_env())
 
 
 def _learn_imports(started: bool, imported: list) -> None:

@@ -71,6 +71,7 @@ class OwnRank:
         self.main_thread: int = threading.main_thread().ident or 0
         self.on_main_thread = threading.current_thread() is threading.main_thread()
         self.thread_id = threading.get_ident()
+        self.native_id = threading.get_native_id()  # its /proc task (what it is blocked in)
 
     @contextlib.contextmanager
     def running(self, env: dict, wake_fd: int) -> Iterator[None]:

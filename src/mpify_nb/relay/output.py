@@ -27,6 +27,8 @@ _PARTIAL_WAIT = 0.1  # how long a partial line waits for its end before it is sh
 #: A partial line (or a bar's state) this long is shown at once: what waits for its end stays
 #: bounded, so relaying costs time linear in the output's size, however long a line is.
 _LONG_LINE = _CHUNK
+#: Outside Jupyter the status line is a line on stderr: one at most this often.
+STATUS_TEXT_INTERVAL = 30.0
 
 
 def _underlying(stream: TextIO) -> TextIO:
@@ -54,6 +56,7 @@ class RankOutput:
         #: where a call's output goes instead of the streams: sink(rank, "stdout"|"stderr", text),
         #: raw (a per-rank view: no labels, no line assembly; see magics/views.py)
         self._sink: Optional[ViewFeed] = None
+        self._status: Optional[Bar] = None  # the call's live status line (status())
         self._lock = threading.Lock()
 
     def retarget(self, stdout: TextIO, stderr: TextIO,
@@ -67,6 +70,33 @@ class RankOutput:
             self._targets = (stdout, stderr)
             self._trackers = (LineTracker(stdout, self._cond), LineTracker(stderr, self._cond))
             self._display = notebook_display(stdout)
+
+    def status(self, text: Optional[str]) -> None:
+        """The call's one live status line (engine/watch.py: what ranks have waited in for a
+        while): drawn, redrawn in place, or emptied (``None``, and at the end of the call). In
+        Jupyter a display line; elsewhere a line on stderr at most every ``STATUS_TEXT_INTERVAL``."""
+        with self._lock:
+            line = self._status
+            if text is None:
+                if line is not None and line.handle is not None and line.shown:
+                    line.draw(self._display, {"text/plain": ""}, lambda: None)
+                self._status = None
+                return
+            if line is None:
+                line = self._status = Bar(time.monotonic())
+            if text == line.shown:
+                return
+            now = time.monotonic()
+            if self._display is not None:
+                line.draw(self._display, {"text/plain": text}, self._flush_targets)
+            elif line.last_shown is None or now >= line.last_shown + STATUS_TEXT_INTERVAL:
+                try:
+                    self._trackers[1].write(text + "\n")
+                except Exception:
+                    pass
+            else:
+                return
+            line.shown, line.last_shown = text, now
 
     def _emit(self, fd: int, where: tuple[int, int], chunk: bytes) -> None:
         if self._sink is not None:

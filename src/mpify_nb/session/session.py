@@ -18,8 +18,8 @@ Data flow of one ``run()``::
     wait loop, one select() over every rank's:
       work channel     <── DONE value / FAIL traceback ── main thread
       stdout/stderr    <── print(...) ─────────────────── main thread (and C code)
-      control channel  <── COLLECTIVE [waits] ─────────── control thread: what the rank waits
-                                                           on in torch.distributed (torchdist/waits.py)
+      control channel  <── SEEN snapshot ─────────────── control thread, when the watch looks (LOOK):
+                                                           what the rank waits in (torchdist/waits.py)
       pidfd            <── readable when the rank dies
       wake pipe        <── interrupt() from any thread, SIGINT, close()
     relay: "[rank k] ..." lines into the cell running now (written on the caller's thread)
@@ -27,11 +27,12 @@ Data flow of one ``run()``::
 When the call is stuck, the caller acts (``_stop``, ``_collective_failed``)::
 
     interrupt / timeout  ── INTERRUPT req ──> control thread: SIGINT to the main thread
-    some rank not running req (idle, finished, failed, dead):
-                         ── WATCH req ─────> the ranks still running req read torch's recorder
-                         ── PEEK req ──────> a rank not running req, once a collective of its
-                         <── ISSUED ───────  group waits: its count of the group's collectives
-    some rank waits on a collective that a rank of its group never issues (CollectiveError):
+    the collective watch (engine/watch.py), from half a second into a call, every 50 ms while
+    some rank is not running req (idle, finished, failed, dead):
+                         ── LOOK round ────> every live rank: what it waits in, what it issued
+                         <── SEEN ─────────  (engine/verdict.py judges)
+    some rank waits on a collective that a rank of its group never issues, or collectives
+    that cannot match (CollectiveError):
                          ── ABORT_GROUP ───> every rank shuts down its TCP connections to
                                              the other ranks and destroys its groups: a rank
                                              blocked in gloo raises within ~10 ms, even when
