@@ -66,7 +66,7 @@ def _mismatch(snaps: dict[int, Snapshot], running: dict[int, Snapshot]) -> Optio
                     continue
                 if other.done:  # it returned from it: with the wrong value
                     what = (f"rank {q} got a wrong value from {op.kind} #{op.seq} (the ranks passed {why}): "
-                            + ops_text([(q, snaps[q], other), (r, running[r], op)]))
+                            + ops_text(sorted([(q, snaps[q], other), (r, running[r], op)], key=lambda i: i[0])))
                     return Verdict("wrong value", [r], what=what, culprit=q)
                 group = _everyone_at(snaps, op)
                 what = f"the ranks wait in collectives that cannot match ({why}): " + ops_text(group)
@@ -122,7 +122,7 @@ def _absent(snaps: dict[int, Snapshot], running: dict[int, Snapshot], world: int
     if not stuck:
         return None
     waiting = sorted(stuck)
-    places = [f"rank {r} at {_location(running[r].where)}" for r in waiting if running[r].where is not None]
+    places = [f"rank {r} at {_location(where)}" for r in waiting if (where := running[r].where) is not None]
     labels = sorted({_label(running[r], stuck[r]) for r in waiting})
     label = " / ".join(labels) + (f" ({'; '.join(places)})" if places else "")
     first = waiting[0]
@@ -230,7 +230,7 @@ def ops_text(items: list[tuple[int, Snapshot, Op]]) -> str:
             at = f" at line {s.where[1]}" if s.where[0] == last_file else f" at {_location(s.where)}"
             last_file = s.where[0]
         unknown = op.is_p2p and op.root is None and s.any_peer and s.label
-        parts.append(f"rank {r}{at}: {s.label if unknown else op_text(op)}")
+        parts.append(f"rank {r}{at}: {s.label if unknown else op_text(op)}{' (returned)' if op.done else ''}")
     return "; ".join(parts)
 
 
@@ -317,6 +317,25 @@ def waited_s(s: Snapshot, now_ns: int) -> Optional[float]:
     """How long the rank has waited in its oldest unfinished op (the recorder's time)."""
     times = [o.issued_ns for o in s.pending if o.issued_ns]
     return max(0.0, (now_ns - min(times)) / 1e9) if times else None
+
+
+def stack_lines(s: Snapshot) -> list[str]:
+    """A rank's stack as a traceback shows it (outermost first), its source lines from here
+    (a cell's are in this process's linecache)."""
+    import linecache
+
+    lines = []
+    for filename, lineno, name in s.stack:
+        lines.append(f"{source_location(filename)}, line {lineno}, in {name}")
+        source = linecache.getline(filename, lineno).strip()
+        if source:
+            lines.append(f"  {source}")
+    return lines
+
+
+def doing_text(s: Snapshot, now_ns: int, at_prompt: bool = False) -> str:
+    """What a rank does, in words: "waits in all_reduce #5 of float32[4] (12 s)", "running"."""
+    return _doing_text(s, now_ns, at_prompt, short=False)
 
 
 def _location(where: tuple[str, int]) -> str:

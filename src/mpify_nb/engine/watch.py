@@ -15,8 +15,9 @@ the call can still finish. Time only decides when to look; what the looks say de
 
 When: first ``LOOK_AFTER`` into a call, then every ``LOOK_EVERY``; ``LOOK_LEFT`` after a rank
 left the call while others run (a peer that may never come), then every ``LOOK_FAST``;
-``LOOK_SOON`` after a look that found ranks blocked (the deadlock rule wants two looks alike). Between looks nothing of ours
-runs in the ranks: a training loop that does not hang pays one look a second (~0.3 ms a rank).
+``LOOK_SOON`` after a look that found ranks blocked (the deadlock rule wants two looks alike).
+Between looks nothing of ours runs in the ranks: a training loop that does not hang pays one
+look a second (~0.3 ms a rank).
 """
 
 from __future__ import annotations

@@ -402,18 +402,16 @@ class _Call:
     # -- the collective watch (engine/watch.py) --------------------------------------------
 
     def _begin_watch(self) -> None:
-        own = None
-        if self.caller_rank is not None:
-            rank, thread, native = self.caller_rank, self.own.thread_id, self.own.native_id
-
-            def own(stack: bool) -> Optional[waits.Snapshot]:
-                if self.finished or self.own_returned:
-                    return None
-                return waits.snapshot(rank, thread, native, stack=stack)
-
         self.watch.begin(self.nprocs, lambda: [r for r in self.ranks.values() if not r.done],
-                         self._absent, own, self.caller_rank,
+                         self._absent, self._look_at_own_rank if self.caller_rank is not None else None,
+                         self.caller_rank,
                          prompts=lambda: frozenset(self.engine.prompter.asking() if self.engine.prompter else ()))
+
+    def _look_at_own_rank(self, stack: bool) -> Optional[waits.Snapshot]:
+        """The caller's own rank, looked at here (the watch thread looks at the calling thread)."""
+        if self.finished or self.own_returned or self.caller_rank is None:
+            return None
+        return waits.snapshot(self.caller_rank, self.own.thread_id, self.own.native_id, stack=stack)
 
     def _absent(self) -> dict[int, str]:
         """The ranks that left the call: their fn returned."""
@@ -447,7 +445,7 @@ class _Call:
         """A held error's group: has every other rank of it answered (returned, done, failed)?"""
         error = self.held[0] if self.held is not None else None
         context = getattr(error, "context", None)
-        if context is None or context.blocked is None:
+        if not isinstance(error, RankError) or context is None or context.blocked is None:
             return False
         members = context.blocked.members(self.nprocs)
         absent = self._absent()

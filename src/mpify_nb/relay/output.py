@@ -78,7 +78,7 @@ class RankOutput:
         with self._lock:
             line = self._status
             if text is None:
-                if line is not None and line.handle is not None and line.shown:
+                if line is not None and line.handle is not None and line.shown and self._display is not None:
                     line.draw(self._display, {"text/plain": ""}, lambda: None)
                 self._status = None
                 return
@@ -87,8 +87,9 @@ class RankOutput:
             if text == line.shown:
                 return
             now = time.monotonic()
-            if self._display is not None:
-                line.draw(self._display, {"text/plain": text}, self._flush_targets)
+            display = self._display
+            if display is not None:
+                line.draw(display, {"text/plain": text}, self._flush_targets)
             elif line.last_shown is None or now >= line.last_shown + STATUS_TEXT_INTERVAL:
                 try:
                     self._trackers[1].write(text + "\n")

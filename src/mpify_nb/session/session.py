@@ -60,12 +60,14 @@ import itertools
 import os
 import pickle
 import threading
+import time
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ..engine import core, interrupts
+from ..engine import verdict as verdicts
 from ..start import placement
 from ..torchdist.groups import parse_gpus
 from ..wire import payload
@@ -87,6 +89,36 @@ class RankStatus:
     last_cell: str  # first line of the last thing it ran
     exit_detail: str = ""  # how it died
     node: str = "127.0.0.1"  # address of the host it runs on (a Ray node's, under Ray)
+
+
+@dataclass
+class RankWhere:
+    """One rank in :meth:`Session.where`: what it does (``"waits in all_reduce #5 of float32[4]
+    (12 s)"``, ``"running"``, ``"blocked in sleep()"``, ``"idle"``), its line, its Python stack
+    (as a traceback shows it) and the collectives it has issued that have not completed."""
+
+    rank: int
+    doing: str
+    line: Optional[tuple[str, int]]
+    stack: list[str]
+    pending: list[str]
+
+    def __str__(self) -> str:
+        head = f"rank {self.rank}: {self.doing}"
+        body = [f"  {line}" for line in self.stack]
+        if self.pending:
+            body.append(f"  pending: {'; '.join(self.pending)}")
+        return "\n".join([head, *body])
+
+
+class Where(dict):
+    """:meth:`Session.where`'s answer: ``{rank: RankWhere}``, shown as each rank's block."""
+
+    def __str__(self) -> str:
+        return "\n".join(str(self[r]) for r in sorted(self))
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(str(self))
 
 
 class Session(SessionCalls):
@@ -270,6 +302,31 @@ class Session(SessionCalls):
                                    m.last_cell, str(m.exit_error) if m.exit_error else "", self._layout.nodes[r]))
         return rows
 
+    def where(self, timeout: float = 5.0) -> Where:
+        """Each rank's Python stack and the collectives it waits in, now: from another thread
+        while a call runs (the call goes on), or between calls. A rank that does not answer
+        within ``timeout`` seconds (C code holding its interpreter) is left out.
+
+        >>> threading.Thread(target=s.run, args=("dist.all_reduce(t)",), kwargs={"ranks": [0]}).start()
+        >>> print(s.where())
+        rank 0: waits in all_reduce #3 of float32[2]
+          Cell In[5], line 1, in <module>
+            dist.all_reduce(t)
+          ...
+        rank 1: idle
+        """
+        self._check_open()
+        snaps = self._look_at_ranks(timeout)
+        now = time.time_ns()
+        prompter = self._engine.prompter
+        asking = set(prompter.asking()) if prompter is not None else set()
+        out = Where()
+        for r in sorted(snaps):
+            snap = snaps[r]
+            out[r] = RankWhere(r, verdicts.doing_text(snap, now, r in asking), snap.where,
+                               verdicts.stack_lines(snap), [verdicts.op_text(o) for o in snap.pending])
+        return out
+
     def interrupt(self) -> None:
         """Stop what the ranks run now (what the notebook's stop button does); callable from
         any thread. The running call raises ``KeyboardInterrupt``; every rank lives on with
@@ -395,4 +452,4 @@ def _rss(pid: int) -> Optional[int]:
 
 
 
-__all__ = ["Session", "RankStatus"]
+__all__ = ["Session", "RankStatus", "Where", "RankWhere"]

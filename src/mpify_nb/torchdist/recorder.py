@@ -117,23 +117,27 @@ def entries_to_ops(entries: list[dict], groups: Optional[dict[str, Optional[tupl
     read elsewhere). ``born_ns``: entries older are of groups destroyed since. A group made
     again under the same name starts its numbers at 1 again: only its newest life is kept."""
     ops: list[Op] = []
+    last: dict[str, int] = {}  # group -> its last collective number so far
     for e in entries:
         created = int(e.get("time_created_ns") or 0)
         if created and created < born_ns:
             continue
-        name = str((e.get("process_group") or ("",))[0])
+        pg = tuple(e.get("process_group") or ("", ""))
+        name = str(pg[0])
         if groups is not None:
             if name not in groups:
                 continue
             ranks = groups[name]
-        else:
-            ranks = _config_ranks(pg_config, name)
+        else:  # a dump read elsewhere: the default group is the world
+            ranks = None if pg[1:2] == ("default_pg",) else _config_ranks(pg_config, name)
         kind, pair = op_name(str(e.get("profiling_name", "")))
         p2p = bool(e.get("is_p2p")) or kind in P2P
         seq = None if p2p else int(e.get("collective_seq_id") or 0)
         if seq is not None:
-            # A group made again under this name: what came before is of its earlier life.
-            ops = [o for o in ops if not (o.group == name and o.seq is not None and o.seq >= seq)]
+            if seq <= last.get(name, 0):
+                # A group made again under this name: what came before is of its earlier life.
+                ops = [o for o in ops if not (o.group == name and o.seq is not None and o.seq >= seq)]
+            last[name] = seq
         root = None
         if pair is not None:
             peer = pair[1]

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import dis
 import functools
+import linecache
 import os
 import pickle
 import re
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -85,7 +87,7 @@ class Snapshot:
 _groups_born_ns = 0
 
 
-def recorder_env(env: Optional[dict] = None) -> dict[str, str]:
+def recorder_env(env: Optional[Mapping[str, str]] = None) -> dict[str, str]:
     """The variable that makes the groups a process creates record their collectives in a small
     ring (unless ``env`` sets a recorder size already): for a rank's environment."""
     env = os.environ if env is None else env
@@ -123,7 +125,7 @@ def _recorder_entries(force: bool = False) -> Optional[list[dict]]:
     if c10d is None:
         return []
     cost, ended = _dump_cost
-    if not force and cost > 0.005 and time.monotonic() < ended + cost * _DUMP_SHARE:
+    if not force and cost > 0.02 and time.monotonic() < ended + cost * _DUMP_SHARE:
         return None
     started = time.monotonic()
     entries: list[dict] = []
@@ -198,12 +200,13 @@ def snapshot(rank: int, thread_id: int, native_id: Optional[int] = None, stack: 
     frame = sys._current_frames().get(thread_id)
     blocked, label, any_peer = blocked_call(frame)
     if blocked is not None and blocked.seq is None and not blocked.is_p2p:
-        # A collective on the stack: the recorder's newest unfinished one of its kind is it; the
-        # stack knows its root (a broadcast's src), the recorder its number and sizes.
+        # A collective on the stack: the recorder's newest unfinished one on its group is it (by
+        # the name torch recorded: all_gather_object waits in an all_gather); the stack knows
+        # its root (a broadcast's src), the recorder its number and sizes.
         for i in range(len(ops) - 1, -1, -1):
             o = ops[i]
-            if not o.done and o.kind == blocked.kind and (blocked.group is None or o.group == blocked.group):
-                ops[i] = blocked = with_root(o, blocked.root)
+            if not o.done and not o.is_p2p and (blocked.group is None or o.group == blocked.group):
+                ops[i] = blocked = with_root(o, blocked.root if o.kind == blocked.kind else None)
                 break
     where = user_line(frame)
     if blocked is not None or label:
@@ -287,12 +290,18 @@ def _doing(frame: Any, native_id: Optional[int]) -> str:
 
 
 def _stack(frame: Any) -> tuple[tuple[str, int, str], ...]:
-    """The thread's frames out to our own code (which runs the user's), outermost first."""
+    """The thread's frames from the user's code in (what it calls included), outermost first:
+    none while it runs none of the user's code (a persistent rank between cells)."""
     frames = []
-    while frame is not None and not frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-        frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+    seen_user = False
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if seen_user and filename.startswith(_PACKAGE_DIR):
+            break  # our code, which runs the user's
+        seen_user = seen_user or _is_user_file(filename)
+        frames.append((filename, frame.f_lineno, frame.f_code.co_name))
         frame = frame.f_back
-    return tuple(reversed(frames))
+    return tuple(reversed(frames)) if seen_user else ()
 
 
 def blocked_call(frame: Any) -> tuple[Optional[Op], str, bool]:
@@ -446,7 +455,11 @@ def _group_ranks(group: Any) -> Optional[tuple[int, ...]]:
 
 
 def _is_user_file(filename: str) -> bool:
-    return not filename.startswith(_LIBRARY_PREFIXES) and not filename.startswith("<frozen")
+    """The user's code: not torch's, the standard library's or ours; a ``<name>`` only when its
+    source is known (a Session's cell is; ``python -c``'s ``<string>`` is not)."""
+    if filename.startswith("<"):
+        return filename in linecache.cache
+    return not filename.startswith(_LIBRARY_PREFIXES) and not filename.startswith(_PACKAGE_DIR)
 
 
 def user_line(frame: Any) -> Optional[tuple[str, int]]:
