@@ -57,7 +57,7 @@ from ..relay.pipes import OutputRelay
 from ..start import placement
 from ..wire import framing, payload
 from ..wire.errors import RankExitedError
-from ..wire.protocol import ANSWER, ASK, pack, unpack
+from ..wire.protocol import ANSWER, ASK, NO_REQUEST, PEEK_STDIN, pack, unpack
 from . import interrupts, prompts
 from . import watch as collective_watch
 
@@ -128,6 +128,7 @@ class Engine:
         self.closed = False
         #: the collective watch (engine/watch.py): looks at a call's ranks, judges what they wait in
         self.watch = collective_watch.Watch(self)
+        relay.on_partial = self._peek_stdin
         for install in list(_capabilities):
             install(self)
 
@@ -318,6 +319,13 @@ class Engine:
         """Make this call's prompter now, on the thread that runs the cell (the frontend is
         found there); else it is made at the first prompt, in the loop."""
         self.prompter = prompts.Prompter(self.wake)
+
+    def _peek_stdin(self, rank: int) -> None:
+        """Rank ``rank``'s stdout holds a partial line (the relay saw it): ask its control thread
+        whether a read of fd 0 follows it (a prompt), while a call runs (from any thread)."""
+        m = self.members.get(rank)
+        if m is not None and self.watch.active:
+            self.send_control_ok(m, PEEK_STDIN, NO_REQUEST)
 
     def _on_ask(self, m: Member, req: int, body: Any, fds: list) -> None:
         """Rank ``m`` reads its stdin: ask the user (engine/prompts.py), its open line the prompt."""

@@ -9,6 +9,8 @@ frames it sleeps in ``recv``, so it costs a training loop nothing::
            ── LOOK round ────────────> look at the main thread and torch's recorder
            <── SEEN round snapshot ──  (torchdist/waits.py: what it waits in, where it is),
            <── ASK req RAW ──────────  and at a read of fd 0 by C code (rank/stdin.py)
+           ── PEEK_STDIN ────────────> its stdout holds a partial line: a read of fd 0 after
+           <── ASK req RAW ──────────  it (pdb's prompt on a /dev/stdin opened again)?
            ── <kind> req body ───────> the handler registered for <kind> (on()): a Session's
                                        ABORT_GROUP, a capability's frames (which answers,
                                        from any thread, with to_caller())
@@ -22,11 +24,12 @@ import pickle
 import signal
 import socket
 import threading
+import time
 from typing import Any, Callable, NoReturn, Optional
 
 from ..torchdist import waits
 from ..wire import framing
-from ..wire.protocol import ANSWER, ASK, INTERRUPT, LOOK, NO_REQUEST, SEEN, pack, unpack
+from ..wire.protocol import ANSWER, ASK, INTERRUPT, LOOK, NO_REQUEST, PEEK_STDIN, SEEN, pack, unpack
 from . import process, stdin
 
 
@@ -118,9 +121,29 @@ def _look(state: RankState, control: socket.socket, req_id: int, body: Any) -> N
     send(control, pack(SEEN, req_id, pickle.dumps(state.snapshot(stack=bool(asked.get("stack"))))))
 
 
+#: After a partial line on stdout, a read of fd 0 is looked for this long after (it follows
+#: the prompt by microseconds, or by a few milliseconds on a loaded machine).
+PEEK_DELAYS = (0.0, 0.01, 0.05, 0.15)
+
+
+def _peek_stdin(state: RankState, control: socket.socket, req_id: int, body: Any) -> None:
+    """Its stdout holds a line without its end (the caller saw it): a prompt before a read of fd 0
+    (pdb on a /dev/stdin opened again, C code)? Asked of the user before the caller shows it."""
+    for delay in PEEK_DELAYS:
+        if delay:
+            time.sleep(delay)
+        request = state.request
+        if request == NO_REQUEST:
+            return
+        if stdin.raw_read_waiting(quick=True):
+            send(control, pack(ASK, request, pickle.dumps(stdin.RAW)))
+            return
+
+
 on(ANSWER, lambda state, control, req_id, body: stdin.deliver(*pickle.loads(body)))
 on(INTERRUPT, _interrupt)
 on(LOOK, _look)
+on(PEEK_STDIN, _peek_stdin)
 
 
 def _loop(control: socket.socket, state: RankState) -> None:

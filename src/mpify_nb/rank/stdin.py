@@ -129,12 +129,13 @@ EVERY_THREAD = 3
 _looks = itertools.count()
 
 
-def raw_read_waiting() -> bool:
+def raw_read_waiting(quick: bool = False) -> bool:
     """Is a thread of this process blocked reading our stdin pipe itself (fd 0, or a
-    /dev/stdin opened again), not through sys.stdin? Then send it an ASK (once)."""
+    /dev/stdin opened again), not through sys.stdin? Then send it an ASK (once).
+    ``quick``: the user's thread only (one pread)."""
     if _state.send_ask is None or _state.raw_asked or _unread(_state.pipe_w):
         return False  # asked already, or the last answer is not read yet
-    every_thread = next(_looks) % EVERY_THREAD == 0
+    every_thread = not quick and next(_looks) % EVERY_THREAD == 0
     try:
         tasks = os.listdir("/proc/self/task") if every_thread else []
     except OSError:

@@ -21,6 +21,7 @@ RUN, APPLY, PUSH, PULL, MISSING, GROUP = b"r", b"a", b"p", b"l", b"m", b"g"  # a
 # -- to a rank's control thread (a Session's control channel; a ranch rank's channel once it runs)
 INTERRUPT, ABORT_GROUP, ANSWER = b"i", b"x", b"n"
 LOOK = b"w"  # the caller looks at the rank (engine/watch.py): what it waits in, where it is; SEEN answers
+PEEK_STDIN = b"k"  # its stdout holds a partial line (a prompt?): is a thread reading fd 0 itself? (ASK RAW)
 # -- from a rank ----------------------------------------------------------------------------------
 READY = b"R"  # started (a Session's rank: its group is up) or loaded (a ranch call)
 DONE, FAIL = b"D", b"F"  # the answer to a request: its value; (RemoteFailure, interrupted, meta)
