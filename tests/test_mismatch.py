@@ -22,15 +22,15 @@ import threading
 import time
 from pathlib import Path
 
-import helpers_mismatch as hm
 import pytest
-from test_session_magics import Kernel
 
+import helpers_mismatch as hm
 import mpify_nb
 from mpify_nb import Session, in_torchddp, ranch
 from mpify_nb.engine import verdict as verdicts
 from mpify_nb.torchdist import recorder, waits
 from mpify_nb.wire.errors import CollectiveError
+from test_session_magics import Kernel
 
 DATA = Path(__file__).resolve().parent / "data" / "flight_recorder"
 HELPERS = f'File "{hm.__file__}"'
@@ -391,27 +391,26 @@ def _fresh_group(nb) -> None:
     nb.ok("%dist_restart 0 1")  # new ranks, a new group: its collectives are numbered from 1
 
 
+KERNEL_CASES = [
+    ("mk_x = torch.ones(4)\ndist.all_reduce(mk_x)\nif rank == 0:\n    dist.all_reduce(mk_x)\nelse:\n"
+     "    dist.broadcast(mk_x, 0)",
+     "the ranks wait in collectives that cannot match (a different op): rank 0 at Cell In[{n}], line 4: "
+     "all_reduce #2 of float32[4]; rank 1 at line 6: broadcast #2 of float32[4] from rank 0"),
+    ("mk_y = torch.ones(2 + rank)\ndist.all_reduce(mk_y)",
+     "rank 0 got a wrong value from all_reduce #1 (the ranks passed different sizes): rank 0: all_reduce #1 of "
+     "float32[2] (returned); rank 1 at Cell In[{n}], line 2: all_reduce #1 of float32[3]"),
+    ("mk_z = torch.ones(4)\ndist.recv(mk_z, 1 - rank)",
+     "the ranks wait for each other (each waits to receive from the other): rank 0 at Cell In[{n}], line 2: "
+     "recv from rank 1 of float32[4]; rank 1 at line 2: recv from rank 0 of float32[4]"),
+]
+
+
 def test_kernel_mismatch_names_the_cell_and_its_lines_then_the_group_works(nb):
     _fresh_group(nb)
-    ran = nb.fails("mk_x = torch.ones(4)\ndist.all_reduce(mk_x)\nif rank == 0:\n    dist.all_reduce(mk_x)\n"
-                   "else:\n    dist.broadcast(mk_x, 0)", "CollectiveError")
-    n = ran.cell.execution_count
-    assert ran.error_text() == (
-        "CollectiveError: the ranks wait in collectives that cannot match (a different op): "
-        f"rank 0 at Cell In[{n}], line 4: all_reduce #2 of float32[4]; rank 1 at line 6: broadcast #2 of "
-        f"float32[4] from rank 0; {REBUILT}")
-    ran = nb.fails("mk_y = torch.ones(2 + rank)\ndist.all_reduce(mk_y)", "CollectiveError")
-    n = ran.cell.execution_count
-    assert ran.error_text() == (
-        "CollectiveError: rank 0 got a wrong value from all_reduce #1 (the ranks passed different sizes): "
-        f"rank 0: all_reduce #1 of float32[2] (returned); rank 1 at Cell In[{n}], line 2: all_reduce #1 of "
-        f"float32[3]; {REBUILT}")
-    ran = nb.fails("mk_z = torch.ones(4)\ndist.recv(mk_z, 1 - rank)", "CollectiveError")
-    n = ran.cell.execution_count
-    assert ran.error_text() == (
-        "CollectiveError: the ranks wait for each other (each waits to receive from the other): "
-        f"rank 0 at Cell In[{n}], line 2: recv from rank 1 of float32[4]; rank 1 at line 2: recv from rank 0 of "
-        f"float32[4]; {REBUILT}")
+    for source, what in KERNEL_CASES:  # each rebuilds the group: the next is numbered from 1
+        ran = nb.fails(source, "CollectiveError")
+        expected = f"CollectiveError: {what.format(n=ran.cell.execution_count)}; {REBUILT}"
+        assert ran.error_text() == expected
     ran = nb.ok("mk_w = torch.ones(1)\ndist.all_reduce(mk_w)\nmk_w.item()")
     assert ran.shown() == ["[rank 0] 2.0\n[rank 1] 2.0"]
 
@@ -483,7 +482,8 @@ def test_kernel_dist_where_and_the_stop_button_say_where_each_rank_is(nb):
     evalue = ran.reply["content"]["evalue"]
     assert re.fullmatch(rf"interrupted; where the ranks were: rank 0 at Cell In\[{n}\], line 7: waits in "
                         rf"all_reduce #1 of float32\[1\] \(\d+ s\); rank 1 at line [56]: running", evalue), evalue
-    assert nb.ok("st_t2 = torch.ones(1)\ndist.all_reduce(st_t2)\nst_t2.item()").shown() == ["[rank 0] 2.0\n[rank 1] 2.0"]
+    ran = nb.ok("st_t2 = torch.ones(1)\ndist.all_reduce(st_t2)\nst_t2.item()")
+    assert ran.shown() == ["[rank 0] 2.0\n[rank 1] 2.0"]
 
 
 def test_recorder_env_is_set_for_ranks_unless_the_user_chose():

@@ -21,7 +21,8 @@ Scenarios:
   3 floats: rank 0 returns), ``subgroup`` (all_reduce vs broadcast on a new_group), ``healthy``.
 * nccl, 1 rank (one GPU: a world of one): ``healthy`` (every collective kind, a subgroup, a
   send to itself), ``pending`` (an all_reduce held behind ``torch.cuda._sleep`` on the current
-  stream, dumped before it ran: its state is "scheduled"), ``p2p`` (isend/irecv to itself).
+  stream, dumped before it ran: its state is "scheduled"), ``p2p`` (a batch_isend_irecv to
+  itself, held the same way).
 * nccl, 2 ranks (two GPUs): ``mismatch``, ``sizes``, ``recv_recv`` (both ranks receive from
   each other: NCCL records both recvs, pending), ``healthy``.
 """
@@ -94,10 +95,10 @@ def run_rank(rank: int, world: int, backend: str, scenario: str, port: int, out:
         dist.all_reduce(x.double())
         sub = dist.new_group(list(range(world)))
         dist.all_reduce(x, group=sub)
-        if world == 1 and backend == "nccl":
-            r = dist.irecv(torch.empty(4, device=device), 0)
-            dist.isend(x, 0).wait()
-            r.wait()
+        if world == 1 and backend == "nccl":  # a send to itself: one batch, so NCCL groups the two
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, 0),
+                                                dist.P2POp(dist.irecv, torch.empty(4, device=device), 0)]):
+                work.wait()
         if backend == "nccl":
             torch.cuda.synchronize()
         time.sleep(1.0)  # the watchdog retires what completed
@@ -109,11 +110,11 @@ def run_rank(rank: int, world: int, backend: str, scenario: str, port: int, out:
         torch.cuda.synchronize()
     elif scenario == "p2p":
         torch.cuda._sleep(int(5e9))
-        r = dist.irecv(torch.empty(4, device=device), 0)
-        s = dist.isend(x, 0)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, 0),
+                                        dist.P2POp(dist.irecv, torch.empty(4, device=device), 0)])
         _write(out, backend, scenario, rank)
-        s.wait()
-        r.wait()
+        for work in works:
+            work.wait()
         torch.cuda.synchronize()
     elif scenario == "mismatch":
         _dump_later(out, backend, scenario, rank, 3.0)

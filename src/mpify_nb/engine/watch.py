@@ -202,11 +202,12 @@ class Watch:
             return
         absent = self.absent()
         snaps = dict(self.snaps)
-        for rank, snap in self.kept.items():
+        kept = dict(self.kept)  # the caller's own rank may add to it meanwhile (ranch)
+        for rank, snap in kept.items():
             snaps.setdefault(rank, snap)
         for rank in absent:
-            if rank in self.kept:
-                snaps[rank] = self.kept[rank]
+            if rank in kept:
+                snaps[rank] = kept[rank]
         if self.verdict is None:
             self.verdict = verdicts.judge(snaps, self.world, absent, self.previous)
         running = {r: s for r, s in self.snaps.items() if r not in absent}

@@ -461,10 +461,11 @@ class _Call:
         snaps = {error.rank: context}
         absent = self._absent()
         absent.pop(error.rank, None)
+        kept = dict(self.watch.kept)
         for rank in absent:
-            if rank in self.watch.kept:
-                snaps[rank] = self.watch.kept[rank]
-        for rank, snap in self.watch.snaps.items():
+            if rank in kept:
+                snaps[rank] = kept[rank]
+        for rank, snap in dict(self.watch.snaps).items():
             if rank != error.rank and rank not in absent:
                 snaps[rank] = snap
         verdict = verdicts.judge(snaps, self.nprocs, absent)

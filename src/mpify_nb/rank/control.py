@@ -150,13 +150,7 @@ def _loop(control: socket.socket, state: RankState) -> None:
     """Frames from the caller, each to its handler; if the caller goes away (its end closes),
     end this rank and everything it started."""
     while True:
-        try:
-            message = framing.recv(control)
-        except (OSError, EOFError):
-            message = None
-        if message is None:
-            caller_gone()
-        kind, req_id, body = unpack(message[0])
+        kind, req_id, body = unpack(framing.recv_or(control, caller_gone)[0])
         handler = _handlers.get(kind)
         if handler is not None:
             handler(state, control, req_id, body)
