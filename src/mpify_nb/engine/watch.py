@@ -64,6 +64,7 @@ class Watch:
         self.prompts: Callable[[], frozenset] = frozenset  # ranks at a prompt now
         self.snaps: dict[int, Snapshot] = {}
         self.previous: dict[int, Snapshot] = {}
+        self.last_round: dict[int, Snapshot] = {}  # the latest complete round's looks
         self.kept: dict[int, Snapshot] = {}  # snapshots of ranks that left (RETURNED, a last look)
         self.verdict: Optional[verdicts.Verdict] = None
         self.round = 0
@@ -87,7 +88,7 @@ class Watch:
             self.active = True
             self.world, self.members, self.absent, self.own, self.own_rank = world, members, absent, own, own_rank
             self.prompts = prompts
-            self.snaps, self.previous, self.kept = {}, {}, {}
+            self.snaps, self.previous, self.kept, self.last_round = {}, {}, {}, {}
             self.verdict = None
             self.asked = set()
             self.rounds_done = 0
@@ -146,8 +147,11 @@ class Watch:
         return dict(self.snaps)
 
     def where_text(self, short: bool = False, snaps: Optional[dict[int, Snapshot]] = None) -> str:
-        """Where each rank of the call is, from the latest looks: verdict.where_text's words."""
-        snaps = dict(self.snaps if snaps is None else snaps)
+        """Where each rank of the call is, from the latest complete round of looks (or ``snaps``):
+        verdict.where_text's words; "" before the first look."""
+        snaps = dict(self.last_round if snaps is None else snaps)
+        if not snaps:
+            return ""
         gone: dict[int, str] = {}
         for rank, why in self.absent().items():
             snaps.pop(rank, None)
@@ -197,6 +201,7 @@ class Watch:
         with self.cond:
             self.asked = set()
             self.rounds_done += 1
+            self.last_round = dict(self.snaps)
             self.cond.notify_all()
         if not self.active:
             return

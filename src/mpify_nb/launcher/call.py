@@ -480,7 +480,7 @@ class _Call:
     def _where_they_were(self) -> str:
         """Where the ranks were at the last look (for the stop button's KeyboardInterrupt)."""
         try:
-            return self.watch.where_text() if self.watch.snaps else ""
+            return self.watch.where_text()
         except Exception:
             return ""
 

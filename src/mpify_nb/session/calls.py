@@ -149,7 +149,7 @@ class SessionCalls(SessionRecovery):
                     wait = looks if wait is None else min(wait, looks)
                 self._engine.pump(wait)
         except KeyboardInterrupt as e:
-            where = self._where(req) if not e.args else ""
+            where = watch.where_text() if not e.args else ""  # the last look (the button: no new one)
             self._stop(members, req)
             if where:
                 raise KeyboardInterrupt(f"interrupted; where the ranks were: {where}") from None
