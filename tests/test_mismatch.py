@@ -174,10 +174,42 @@ def test_verdicts_on_nccl_dumps_recorded_on_a_gpu(scenario):
     meta = json.loads((DATA / f"{scenario}.json").read_text())
     snaps = _snapshots(scenario, meta["world"])
     for snap in snaps.values():
-        assert snap.ops and all(o.kind and (o.seq is None) == o.is_p2p for o in snap.ops), snap
+        # a collective has its number on its group; a send or recv (or NCCL's batch of them) has none
+        assert snap.ops and all(o.kind and (o.seq is not None or o.is_p2p or o.kind == "coalesced")
+                                for o in snap.ops), snap
         assert not any(o.kind.startswith(("_", "nccl")) for o in snap.ops), snap
     found = verdicts.judge(snaps, meta["world"], {}, previous=snaps)
     assert (found.kind if found else None) == meta["verdict"], found
+
+
+def test_a_big_recorder_is_read_sparingly_and_a_gone_groups_entries_never_count(monkeypatch):
+    """A recorder of torch's default size (2000 entries: a dump takes 70-90 ms) is read at most once per
+    50 times its cost; between, its last reading stands, filtered again: a group made since (a
+    Session's rebuilt one) never sees the entries of the one before."""
+    import torch
+    import torch.distributed as dist
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "0")
+    for name, value in waits.recorder_env().items():
+        monkeypatch.setenv(name, value)
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        dist.all_reduce(torch.ones(3))
+        first = waits.recorded_ops()
+        assert [(o.kind, o.seq, o.done) for o in first][-1] == ("all_reduce", 1, True)
+        group = first[-1].group
+        monkeypatch.setitem(waits._last_dump, "big", True)
+        monkeypatch.setitem(waits._last_dump, "cost", 1.0)
+        monkeypatch.setitem(waits._last_dump, "ended", time.monotonic())
+        monkeypatch.setitem(waits._last_dump, "entries", [{
+            "process_group": (group, "default_pg"), "collective_seq_id": 1, "p2p_seq_id": 0,
+            "profiling_name": "gloo:all_reduce", "time_created_ns": 1, "input_sizes": [[3]],
+            "input_dtypes": ["Float"], "output_sizes": [[3]], "output_dtypes": ["Float"], "retired": False}])
+        waits.mark_groups_born()  # as a rebuilt group's rank does
+        assert waits.recorded_ops() == []  # the last reading stands, and its old entry is of a gone group
+    finally:
+        dist.destroy_process_group()
 
 
 # -- a Session: each mistake, its exact message, then a collective that works --------------------

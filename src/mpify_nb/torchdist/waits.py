@@ -114,19 +114,20 @@ def mark_groups_born() -> None:
 
 
 #: A dump of a recorder bigger than ours (the user chose its size, or a group was made before we
-#: could choose) is slow: it is read at most once per this many times its own cost.
+#: could choose: torch's default of 2000 entries takes 70-90 ms) is read at most once per this
+#: many times its own cost; between, the last reading stands (its entries, filtered again).
 _DUMP_SHARE = 50
-_dump_cost = [0.0, 0.0]  # seconds the last dump took, when it ended (monotonic)
+_last_dump: dict = {"cost": 0.0, "ended": 0.0, "big": False, "entries": []}
 
 
-def _recorder_entries(force: bool = False) -> Optional[list[dict]]:
-    """This process's recorder entries, gloo's and NCCL's; None when a dump is not due (too costly)."""
+def _recorder_entries(force: bool = False) -> list[dict]:
+    """This process's recorder entries, gloo's and NCCL's, oldest first."""
     c10d = sys.modules.get("torch._C._distributed_c10d")
     if c10d is None:
         return []
-    cost, ended = _dump_cost
-    if not force and cost > 0.02 and time.monotonic() < ended + cost * _DUMP_SHARE:
-        return None
+    last = _last_dump
+    if not force and last["big"] and time.monotonic() < last["ended"] + last["cost"] * _DUMP_SHARE:
+        return list(last["entries"])
     started = time.monotonic()
     entries: list[dict] = []
     # torch >= 2.8 records gloo's collectives in _dump_fr_trace; NCCL's are in _dump_nccl_trace
@@ -138,7 +139,6 @@ def _recorder_entries(force: bool = False) -> Optional[list[dict]]:
             entries += pickle.loads(dump(True, False, False)).get("entries", [])
         except Exception:
             continue  # no NCCL in this torch, or no group of that kind
-    _dump_cost[:] = [time.monotonic() - started, time.monotonic()]
     seen: set = set()
     fresh = []
     for e in sorted(entries, key=lambda e: e.get("time_created_ns") or 0):
@@ -146,6 +146,9 @@ def _recorder_entries(force: bool = False) -> Optional[list[dict]]:
         if key not in seen:
             seen.add(key)
             fresh.append(e)
+    # Big by its size, not by one slow reading (a loaded machine makes any dump slow now and then).
+    last.update(cost=time.monotonic() - started, ended=time.monotonic(),
+                big=len(entries) > 4 * RECORDER_ENTRIES, entries=fresh)
     return fresh
 
 
@@ -175,28 +178,18 @@ def groups_now() -> dict[str, Optional[tuple[int, ...]]]:
         return {}
 
 
-def recorded_ops() -> Optional[list[Op]]:
-    """The recorder's ops of the groups alive now, oldest first (None: not read this time)."""
+def recorded_ops() -> list[Op]:
+    """The recorder's ops of the groups alive now, oldest first."""
     groups = groups_now()
     if not groups:
         return []
-    entries = _recorder_entries()
-    if entries is None:
-        return None
-    return entries_to_ops(entries, groups, _groups_born_ns)
-
-
-_last_ops: list[Op] = []
+    return entries_to_ops(_recorder_entries(), groups, _groups_born_ns)
 
 
 def snapshot(rank: int, thread_id: int, native_id: Optional[int] = None, stack: bool = False) -> Snapshot:
     """Look at this process: its recorder, and the thread ``thread_id`` (its main thread, or
     the thread that runs a caller's own rank). ``stack``: its Python stack too."""
-    global _last_ops
     ops = recorded_ops()
-    if ops is None:
-        ops = list(_last_ops)  # a big recorder is read sparingly: the last reading stands
-    _last_ops = ops
     frame = sys._current_frames().get(thread_id)
     blocked, label, any_peer = blocked_call(frame)
     if blocked is not None and blocked.seq is None and not blocked.is_p2p:
@@ -252,8 +245,7 @@ def snapshot_of_failure(rank: int, exc: BaseException) -> Optional[Snapshot]:
             return None  # its __str__ raised: the error is reported without our help
         if "gloo" not in text and "nccl" not in text:
             return None
-    entries = _recorder_entries(force=True) or []
-    ops = entries_to_ops(entries, groups_now() or None, _groups_born_ns)
+    ops = entries_to_ops(_recorder_entries(force=True), groups_now() or None, _groups_born_ns)
     if not ops:
         return None
     # The collective it failed in is its last one (it is blocked on it; gloo retired it with the error).
