@@ -212,6 +212,10 @@ def snapshot(rank: int, thread_id: int, native_id: Optional[int] = None, stack: 
     return Snapshot(rank, tuple(ops), blocked, label, any_peer, where, doing, frames)
 
 
+#: How many more times a returning rank reads its recorder for entries still being retired.
+_RETIRE_LOOKS = 5
+
+
 def snapshot_of_return(rank: int) -> Optional[Snapshot]:
     """A rank whose function returned: the collectives it issued (None: it made no group). Its
     groups may be gone already (destroyed inside the function): their names are still those
@@ -219,8 +223,15 @@ def snapshot_of_return(rank: int) -> Optional[Snapshot]:
     entries = _recorder_entries(force=True)
     if not entries:
         return None
-    groups = groups_now()
-    ops = entries_to_ops(entries, groups or None, _groups_born_ns)
+    groups = groups_now() or None
+    ops = entries_to_ops(entries, groups, _groups_born_ns)
+    for _ in range(_RETIRE_LOOKS):
+        if all(o.done for o in ops):
+            break
+        # A collective it returned from is retired a moment after (gloo's work finishes after
+        # wait() returns): read again, so it is told as done (a wrong value, not a mismatch).
+        time.sleep(0.01)
+        ops = entries_to_ops(_recorder_entries(force=True), groups, _groups_born_ns)
     return Snapshot(rank, tuple(ops), doing="returned") if ops else None
 
 
