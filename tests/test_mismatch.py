@@ -25,7 +25,6 @@ from pathlib import Path
 import pytest
 
 import helpers_mismatch as hm
-import mpify_nb
 from mpify_nb import Session, in_torchddp, ranch
 from mpify_nb.engine import verdict as verdicts
 from mpify_nb.torchdist import recorder, waits
@@ -393,11 +392,7 @@ def test_a_ranch_rank_busy_in_python_is_no_mistake_and_a_timeout_says_where_each
 @pytest.mark.parametrize("workload", ["ddp", "fsdp2", "dtensor", "pipeline", "async", "long"])
 def test_healthy_workloads_raise_no_alarm_under_ranch(workload):
     """The absent-peer tests' workloads, rank 1 late at times: the watch looks, and finds nothing wrong."""
-    mpify_nb.set_preload(False)
-    try:
-        values = ranch(2, hm.healthy, workload, ctx=in_torchddp(), timeout=300)
-    finally:
-        mpify_nb.set_preload(True)
+    values = ranch(2, hm.healthy, workload, ctx=in_torchddp(), timeout=300)
     expected = {"dtensor": [28.0, 28.0], "pipeline": [None, (4, 4)], "long": [2.0, 2.0], "fsdp2": ["ok", "ok"],
                 "async": [([2.0] * 4, [{"rank": 0}, {"rank": 1}])] * 2}
     if workload == "ddp":
