@@ -59,6 +59,8 @@ LAYERS: dict[str, int] = {
     "ddp": 5,
     "decorator": 5,
     "imports": 5,
+    # 5: the frontend's debugger panel across a Session's ranks (the kernel's half; the rank's is rank/)
+    "debugger": 5,
     # 6: the magics
     "magics": 6,
     # 7: the package's front door (re-exports, %load_ext, the "ray" placement's provider)
@@ -323,3 +325,20 @@ def test_moved_modules_keep_their_documented_names() -> None:
     from mpify_nb.errors import CollectiveError, RankError
 
     assert RankError is mpify_nb.RankError and CollectiveError.__module__ == "mpify_nb.wire.errors"
+
+
+def test_a_new_interpreter_finds_this_copy_of_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The template and spawned ranks start with ``bootstrap_env()``: its PYTHONPATH leads to this
+    very copy of mpify_nb (checked with site off and no PYTHONPATH of ours, so no installed copy
+    can stand in for it)."""
+    import subprocess
+    import sys
+
+    from mpify_nb.start.template import bootstrap_env
+
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+
+    found = subprocess.run([sys.executable, "-S", "-c",
+                            "import importlib.util; print(importlib.util.find_spec('mpify_nb').origin)"],
+                           env=bootstrap_env(), capture_output=True, text=True, check=True, cwd="/")
+    assert found.stdout.strip() == str(SRC / "__init__.py")

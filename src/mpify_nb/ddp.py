@@ -38,6 +38,24 @@ class TorchDDPCtx:
             on GPU i when CUDA is available and the backend is not gloo-on-CPU. Ids are as torch
             sees them in the caller (after its ``CUDA_VISIBLE_DEVICES``).
         timeout: seconds for collectives (torch's default when None).
+
+    ``in_torchddp()`` returns one; ``TorchDDPCtx`` is the class (mpify's name for it).
+
+    Example (a notebook cell):
+
+    ```python
+    import torch.distributed as dist
+    from mpify_nb import ranch, TorchDDPCtx
+
+    def backend_and_size():
+        return dist.get_backend(), dist.get_world_size()
+
+    ranch(2, backend_and_size, ctx=TorchDDPCtx(backend="gloo"))
+    ```
+
+    ```output
+    [('gloo', 2), ('gloo', 2)]
+    ```
     """
 
     def __init__(self, backend: Optional[str] = None, gpus: GpuSpec = None, timeout: Optional[float] = None):
@@ -220,13 +238,29 @@ def in_torchddp(
     group and returns rank 0's value (mpify's launcher form). ``ranch`` options
     (``caller_rank``, ``need``, ``imports``, ``timeout``) are accepted; other keywords go to ``fn``.
 
-    Example (a notebook cell)::
+    Example (a notebook cell): learn ``y = 2x`` on 2 ranks (on their GPUs when there are enough):
 
-        def train(epochs):
-            model = DDP(Net())
-            ...
-            return accuracy
-        in_torchddp(2, train, 5)     # -> rank 0's accuracy
+    ```python
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from mpify_nb import in_torchddp
+
+    def train(steps):
+        device = "cuda" if torch.cuda.is_available() else "cpu"   # in_torchddp set this rank's GPU
+        model = DDP(torch.nn.Linear(1, 1, bias=False).to(device))
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        x = torch.linspace(-1, 1, 32, device=device).unsqueeze(1)
+        for _ in range(steps):
+            loss = (model(x) - 2 * x).pow(2).mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+        return round(model.module.weight.item(), 3)
+
+    in_torchddp(2, train, 100)       # rank 0's value
+    ```
+
+    ```output
+    2.0
+    ```
     """
     if nprocs is None:
         if fn is not None or args or kwargs:

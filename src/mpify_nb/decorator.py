@@ -16,14 +16,22 @@ def distributed(nprocs: int, *, ddp: bool = False, **ranch_options: Any) -> Call
     caller's value with ``gather=False``). ``ddp=True`` wraps it in ``in_torchddp()``;
     other keywords are ``ranch`` options (``caller_rank``, ``gather``, ``timeout``, ``ctx``...).
 
-    Example (a notebook cell)::
+    Example (a notebook cell):
 
-        @distributed(2, ddp=True)
-        def world():
-            import torch.distributed as dist
-            return dist.get_world_size()
+    ```python
+    from mpify_nb import distributed
 
-        world()        # -> [2, 2]
+    @distributed(2, ddp=True)
+    def world():
+        import torch.distributed as dist
+        return dist.get_world_size()
+
+    world()
+    ```
+
+    ```output
+    [2, 2]
+    ```
     """
     if ddp and "ctx" in ranch_options:
         raise TypeError("distributed(): pass ddp=True or ctx=..., not both")

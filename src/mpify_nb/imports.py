@@ -12,11 +12,22 @@ def import_star(modules: Union[str, Iterable[str]], ns: Optional[dict] = None) -
     """Do ``from <mod> import *`` for each module, into ``ns``: by default the globals of
     the code that calls it (a notebook cell's are the notebook's, a function's are its own).
 
-    Typical use is inside a function run by ranch::
+    Typical use is inside a function run by ranch (a notebook cell):
 
-        def train():
-            import_star(["torch.nn.functional"])   # relu, softmax... now globals of train
-            ...
+    ```python
+    import torch
+    from mpify_nb import import_star, ranch
+
+    def train():
+        import_star(["torch.nn.functional"])   # relu, softmax... now globals of train
+        return relu(torch.tensor([-1.0, 2.0])).tolist()  # noqa: F821
+
+    ranch(2, train)
+    ```
+
+    ```output
+    [[0.0, 2.0], [0.0, 2.0]]
+    ```
     """
     if isinstance(modules, str):
         modules = [modules]

@@ -169,7 +169,7 @@ class Watch:
         body = pickle.dumps({"stack": True}) if stack else b""
         asked = set()
         for m in self.members():
-            if self.engine.send_control_ok(m, LOOK, self.round, body):
+            if self.engine.send_control(m, LOOK, self.round, body):
                 asked.add(m.rank)
         with self.cond:
             self.asked = asked

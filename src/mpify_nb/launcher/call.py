@@ -103,14 +103,24 @@ def ranch(
         RankError: a rank raised (``RankRaisedError``, with its traceback) or died
             (``RankExitedError``, with its exit code or signal).
         PayloadError: ``fn``, an argument or ``ctx`` cannot be pickled (a TypeError).
-        TimeoutError, KeyboardInterrupt.
+        TimeoutError: ``timeout`` ran out; every rank was stopped.
+        KeyboardInterrupt: the stop button (a kernel interrupt); every rank was stopped.
 
-    Example (a notebook cell)::
+    Example (a notebook cell):
 
-        import torch
-        def square(x):
-            return torch.tensor(x) ** 2 + int(os.environ["RANK"])
-        ranch(3, square, 4)        # -> [tensor(16), tensor(17), tensor(18)]
+    ```python
+    import os, torch
+    from mpify_nb import ranch
+
+    def square(x):
+        return torch.tensor(x) ** 2 + int(os.environ["RANK"])
+
+    ranch(3, square, 4)
+    ```
+
+    ```output
+    [tensor(16), tensor(17), tensor(18)]
+    ```
     """
     _check_arguments(nprocs, fn, caller_rank, ctx, timeout)
     _check_working_directory()
@@ -239,7 +249,7 @@ class _Call(WatchedCall):
         self.finished = False  # the caller's own rank is done; the watch may end
         self.own_returned = False  # the caller's own rank returned from fn
         self.layout: Optional[placement.Layout] = None
-        self.own = own_rank.OwnRank(self.cond)
+        self.own = own_rank.OwnRank()
         self.engine = core.Engine(OutputRelay(sys.stdout, sys.stderr), pump_output=False)
         self.engine.open_prompts()  # ranks' reads of stdin, asked of the user (on this thread)
         self.engine.on(READY, self._on_ready)
@@ -276,6 +286,8 @@ class _Call(WatchedCall):
         if self.caller_rank is not None:
             own_rank.caller_rank_owner = threading.current_thread().name
         state = own_rank.CallerState.snapshot(self.caller_rank is not None)
+        if state.environ is not None:
+            template.set_caller_environ(state.environ)  # os.environ is rank 0's until restore()
         relay = self.engine.relay
         values: list = [None] * self.nprocs
         watcher: Optional[threading.Thread] = None
@@ -327,6 +339,8 @@ class _Call(WatchedCall):
             with self.cond:
                 self.engine.close()
             state.restore()
+            if state.environ is not None:
+                template.set_caller_environ(None)
             state.disarm_ended_ddp(values)
             _learn_imports(bool(self.ranks), self.imported)
 
@@ -345,10 +359,15 @@ class _Call(WatchedCall):
             except TimeoutError as e:
                 raise TimeoutError(f"ranch: the call did not finish within {self.timeout:g} s: {e}") from None
         # The setup and the call right after the fork: a rank loads while the next one is born.
-        call = pack(CALL, _REQUEST, packed.data)
+        # Ahead of the call, the modules it must import first that its template does not hold.
+        calls: dict[Optional[frozenset], bytes] = {}
         for r, handle in self.ranks.items():
             rank_env = dict(base, **layout.env_of(r))
             setup = pickle.dumps(dict(common, rank=r, env=rank_env))
+            held = getattr(handle.process, "modules_held", None)
+            call = calls.get(held)
+            if call is None:
+                call = calls[held] = pack(CALL, _REQUEST, packed.body(held))
             try:
                 framing.send(handle.channel, setup)
                 framing.send(handle.channel, call, packed.fds)
@@ -405,7 +424,9 @@ class _Call(WatchedCall):
 
     def _on_wake(self, data: bytes) -> None:
         for signum in data:
-            if signum == signal.SIGINT and not self.own.is_our_signal():
+            # A SIGINT after a failure is ours (the stop of the caller's rank), or comes too late to
+            # change what the call raises; a process that ignores SIGINT keeps ignoring the user's.
+            if signum == signal.SIGINT and self.failure is None and not self.own.ignores_user_sigint:
                 # The user interrupted: stop every rank so the main thread can return.
                 with self.cond:
                     self.interrupted = True
@@ -499,7 +520,7 @@ class _Call(WatchedCall):
         waits.mark_groups_born()  # what this process's recorder holds is of its earlier calls
         with self.own.running(env, self.engine.wake_w):
             try:
-                with self.own.user_code():
+                with self.own.user_code(sys._getframe()):
                     if self.imports:
                         # As on every other rank, in __main__: the notebook keeps these names (as with mpify).
                         exec(compile(self.imports, "<imports>", "exec"), sys.modules["__main__"].__dict__)

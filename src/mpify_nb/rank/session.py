@@ -15,6 +15,7 @@ socketpair. It then never exits on its own::
                                                           destroy the group (unsticks them);
                  ── LOOK round ────────────────────────> what the main thread waits in, torch's
                  <── SEEN (round, snapshot) ───────────  recorder (torchdist/waits.py)
+                 ── DEBUG / <── DEBUG ─────────────────  the frontend's debugger (rank/debugger.py)
                   (control channel closes) ───────────> the caller is gone: kill self
 
 The main thread starts the process group (a TCPStore whose listening socket the caller
@@ -62,6 +63,7 @@ from ..wire.protocol import (
 )
 from . import comms, group, process
 from . import control as rank_control
+from . import debugger as rank_debugger
 from . import display as rank_display
 from .control import RankState
 
@@ -144,6 +146,7 @@ def free_replaced() -> None:
 
 def _handle(kind: bytes, req_id: int, body, fds: list[int], namespace: dict,
             state: RankState) -> tuple[bytes, list[int]]:
+    rank_debugger.arm()  # the frontend's breakpoints stop here while its debugger is on
     try:
         if kind == RUN:
             source, filename, want_value = pickle.loads(body)
@@ -154,7 +157,7 @@ def _handle(kind: bytes, req_id: int, body, fds: list[int], namespace: dict,
             payload.lend_names(fn, namespace)
             value = _in_user_code(state, fn, *args, **kwargs)
         elif kind == PUSH:
-            values = payload.loads(body, fds, private=True)
+            values = payload.unpack_values(body, fds)
             fds = []
             # What the push replaces is freed after the answer (unmapping 64 MB takes ~10 ms).
             _replaced.extend(namespace[k] for k in values if k in namespace)

@@ -78,17 +78,45 @@ from .calls import Ranks, SessionCalls, check_timeout
 
 @dataclass
 class RankStatus:
-    """One row of :meth:`Session.status`."""
+    """One rank's row of :meth:`Session.status` (``%dist_status`` shows the same as a table).
+
+    Attributes:
+        rank: the rank.
+        pid: its process id (on its node).
+        state: ``"idle"``, ``"running"`` or ``"dead"``.
+        device: ``"cpu"`` or its GPU, ``"cuda:k"``.
+        rss: resident memory in bytes (None once dead, or on another host).
+        gpu_memory: bytes allocated by torch on its GPU; None without CUDA.
+        last_cell: the first line of the last thing it ran.
+        exit_detail: how it died ("" while it lives).
+        node: the address of the host it runs on (a Ray node's, under Ray).
+
+    Example (a notebook cell):
+
+    ```python
+    from mpify_nb import Session
+
+    with Session(2) as s:
+        s.run("x = rank * 10")
+        for row in s.status():
+            print(row.rank, row.state, row.last_cell, row.rss > 0)
+    ```
+
+    ```output
+    0 idle x = rank * 10 True
+    1 idle x = rank * 10 True
+    ```
+    """
 
     rank: int
     pid: int
-    state: str  # "idle", "running" or "dead"
+    state: str
     device: str
-    rss: Optional[int]  # resident memory, bytes (None once dead, or on another host)
-    gpu_memory: Optional[int]  # bytes allocated by torch on its GPU; None without CUDA
-    last_cell: str  # first line of the last thing it ran
-    exit_detail: str = ""  # how it died
-    node: str = "127.0.0.1"  # address of the host it runs on (a Ray node's, under Ray)
+    rss: Optional[int]
+    gpu_memory: Optional[int]
+    last_cell: str
+    exit_detail: str = ""
+    node: str = "127.0.0.1"
 
 
 @dataclass
@@ -137,13 +165,21 @@ class Session(SessionCalls):
     (``torch.distributed``) and ``torch``. The constructor returns once every rank is up
     and the group is ready.
 
-    Example (a notebook cell)::
+    Example (a notebook cell):
 
-        from mpify_nb import Session
-        with Session(2) as s:
-            s.run("t = torch.ones(2) * (rank + 1)")
-            s.run("dist.all_reduce(t); t")        # -> {0: tensor([3., 3.]), 1: tensor([3., 3.])}
-            s.pull("t", rank=None)                 # -> [tensor([3., 3.]), tensor([3., 3.])]
+    ```python
+    from mpify_nb import Session
+
+    with Session(2) as s:
+        s.run("t = torch.ones(2) * (rank + 1)")
+        print(s.run("dist.all_reduce(t); t"))     # the last expression's value, by rank
+        print(s.pull("t", rank=None))              # every rank's t
+    ```
+
+    ```output
+    {0: tensor([3., 3.]), 1: tensor([3., 3.])}
+    [tensor([3., 3.]), tensor([3., 3.])]
+    ```
     """
 
     #: How the error of a dead rank says to replace it (the magics say ``%dist_restart``).
@@ -163,6 +199,7 @@ class Session(SessionCalls):
         self.timeout = timeout
         self._gone = threading.Event()  # set when close() has ended every rank
         self._cells = itertools.count(1)
+        self._modules_sent: dict[int, frozenset[str]] = {}  # rank -> modules its apply() calls imported
         _sessions.add(self)
         interrupts.install()  # from the main thread: the stop button then reaches calls on others
         try:
@@ -216,9 +253,10 @@ class Session(SessionCalls):
         """
         if not callable(fn):
             raise TypeError(f"fn must be callable, not {type(fn).__name__}")
+        targets = self._targets(ranks)
         packed = payload.pack_call(fn, args, kwargs)  # PayloadError before anything is sent
         try:
-            return self._call(APPLY, packed.data, packed.fds, ranks, timeout, None,
+            return self._call(APPLY, self._body(packed, targets), packed.fds, ranks, timeout, None,
                               f"apply({getattr(fn, '__qualname__', repr(fn))})")
         finally:
             packed.close_later()
@@ -230,15 +268,23 @@ class Session(SessionCalls):
 
         >>> s.push(lr=0.1, batch=torch.randn(1024, 1024))
         """
+        targets = self._targets(ranks)
+        packed = payload.pack_values(variables)  # PayloadError before anything is sent
         try:
-            data, fds = payload.dumps(variables)
-        except Exception as e:
-            raise PayloadError(f"cannot send {sorted(variables)} to the ranks: {type(e).__name__}: {e}") from e
-        packed = payload.PackedCall(data, fds)
-        try:
-            self._call(PUSH, data, fds, ranks, None, None, f"push {', '.join(variables)}")
+            self._call(PUSH, self._body(packed, targets), packed.fds, ranks, None, None,
+                       f"push {', '.join(variables)}")
         finally:
             packed.close_later()
+
+    def _body(self, packed: payload.PackedCall, targets: list[int]) -> bytes:
+        """What to send: ahead of the pickle, the modules the notebook imported that were not sent
+        to these ranks yet (wire/modules.py); once sent, a rank has imported them (or failed to,
+        the same way next time)."""
+        held = frozenset.intersection(*(self._modules_sent.get(r, frozenset()) for r in targets))
+        body = packed.body(held)
+        for r in targets:
+            self._modules_sent[r] = self._modules_sent.get(r, frozenset()) | frozenset(packed.modules)
+        return body
 
     def pull(self, name: str, rank: Optional[int] = 0) -> Any:
         """The value of ``name`` on ``rank``; ``rank=None``: a list of every rank's, by rank.
@@ -361,6 +407,7 @@ class Session(SessionCalls):
             try:
                 for r in targets:
                     self._bury(self._members[r])  # stays a member, dead, until its successor exists
+                    self._modules_sent.pop(r, None)
                 self._start(targets)
             finally:
                 restore()

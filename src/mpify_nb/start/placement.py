@@ -1,6 +1,24 @@
 """Where ranks are placed: the one seam between "run rank r" and a process somewhere.
 
-A placer turns (rank, channel end, stdout/stderr write ends) into a running
+``mpify_nb.placement(kind, **options)`` is also a ``with`` block: the calls inside it place their
+ranks as ``set_placement(kind, **options)`` would, and the placement before it comes back after.
+
+Example (a notebook cell):
+
+```python
+import mpify_nb
+
+with mpify_nb.placement("local"):        # ("ray", num_cpus=2): this block's calls on a Ray cluster
+    print(mpify_nb.get_placement())
+print(mpify_nb.get_placement())
+```
+
+```output
+local
+local
+```
+
+How it works, for contributors. A placer turns (rank, channel end, stdout/stderr write ends) into a running
 process and hands back a ``RankProcess``: its pid, a way to kill it, a file
 descriptor that becomes readable when it dies, and its exit code. The launcher
 knows nothing else about where ranks live.
@@ -23,10 +41,7 @@ Three placers:
 
 On this machine choose with ``mpify_nb.set_start_method("template" | "spawn")`` or
 the environment variable ``MPIFY_NB_START_METHOD``; across machines with
-``mpify_nb.set_placement("ray", ...)``, or for one block::
-
-    with mpify_nb.placement("ray", num_cpus=2):
-        ranch(4, train)
+``mpify_nb.set_placement("ray", ...)``, or for one block with ``mpify_nb.placement("ray", ...)``.
 """
 
 from __future__ import annotations
@@ -50,10 +65,24 @@ _start_method = os.environ.get("MPIFY_NB_START_METHOD", "template")
 
 
 def set_start_method(method: str) -> None:
-    """Choose how ranks start: ``"template"`` (fork from a warm process, fast) or ``"spawn"``.
+    """Choose how ranks start: ``"template"`` (fork from a warm process, fast; the default) or
+    ``"spawn"`` (every rank a fresh interpreter: seconds a call, sharing nothing). The environment
+    variable ``MPIFY_NB_START_METHOD`` sets it at import.
 
-    >>> import mpify_nb
-    >>> mpify_nb.set_start_method("spawn")   # every rank a fresh interpreter
+    Example (a notebook cell):
+
+    ```python
+    import mpify_nb
+    from mpify_nb import ranch
+
+    mpify_nb.set_start_method("spawn")
+    print(ranch(2, lambda: "fresh interpreter"))
+    mpify_nb.set_start_method("template")     # back to the fast default
+    ```
+
+    ```output
+    ['fresh interpreter', 'fresh interpreter']
+    ```
     """
     global _start_method
     if method not in START_METHODS:
@@ -62,6 +91,20 @@ def set_start_method(method: str) -> None:
 
 
 def get_start_method() -> str:
+    """How ranks start now: ``"template"`` or ``"spawn"`` (see :func:`set_start_method`).
+
+    Example (a notebook cell):
+
+    ```python
+    import mpify_nb
+
+    mpify_nb.get_start_method()
+    ```
+
+    ```output
+    'template'
+    ```
+    """
     return _start_method
 
 
@@ -112,11 +155,27 @@ def set_placement(kind: str = "local", **options: Any) -> None:
     ``resources`` (per rank), ``strategy="SPREAD"`` (a Ray placement-group strategy). A Ray
     Client address (``"ray://head:10001"``) works for calls with ``caller_rank=None`` and for
     a ``Session``: this process is then not on the cluster, so it cannot be a rank.
-    Needs Ray: ``pip install "mpify_nb[ray]"``.
+    Needs Ray: the ``ray`` extra, or ``pip install "ray[client]>=2.9"``.
 
-    >>> import mpify_nb
-    >>> mpify_nb.set_placement("ray", num_cpus=1)   # ranch(...) now places ranks on the cluster
-    >>> mpify_nb.set_placement("local")             # back to this machine
+    Example (a notebook cell on a node of a Ray cluster):
+
+    <!-- test: skip: needs a Ray cluster; tests/test_ray.py runs set_placement("ray") on a 3-node cluster -->
+    ```python
+    import mpify_nb
+    mpify_nb.set_placement("ray", num_cpus=1)   # ranch(...) now places ranks on the cluster
+    ```
+
+    Back to this machine:
+
+    ```python
+    import mpify_nb
+    mpify_nb.set_placement("local")
+    mpify_nb.get_placement()
+    ```
+
+    ```output
+    'local'
+    ```
     """
     global _placement, _options
     if kind not in _kinds():
@@ -142,7 +201,20 @@ def _leave() -> None:
 
 
 def get_placement() -> str:
-    """``"local"`` or ``"ray"``: where the next call's ranks go."""
+    """``"local"`` or ``"ray"``: where the next call's ranks go (see :func:`set_placement`).
+
+    Example (a notebook cell):
+
+    ```python
+    import mpify_nb
+
+    mpify_nb.get_placement()
+    ```
+
+    ```output
+    'local'
+    ```
+    """
     return _placement
 
 
@@ -344,6 +416,8 @@ class _ForkedRank(_Pidfd):
         super().__init__(pid)
         self._client = client
         self._code: Optional[int] = None
+        #: the modules it was born holding (its template's): a call need not ask it to import them
+        self.modules_held: Optional[frozenset[str]] = client.modules
 
     def exit_code(self, timeout: float) -> Optional[int]:
         if self._code is None:
@@ -353,7 +427,8 @@ class _ForkedRank(_Pidfd):
     def death_detail(self) -> str:
         if self._client.alive():
             return ""
-        return f"the template process it was forked from (pid {self._client.pid}) died, and its ranks with it"
+        return (f"the template process it was forked from (pid {self._client.pid}) died "
+                f"({self._client.how_it_ended()}), and its ranks with it")
 
 
 class TemplatePlacer(_OnThisMachine):
@@ -365,23 +440,34 @@ class TemplatePlacer(_OnThisMachine):
         fds = [channel_fd, stdout_fd, stderr_fd]
         limit = _TEMPLATE_PATIENCE if timeout is None else timeout
         try:
-            try:
-                pid = self._client.fork(fds, limit)
-            except template.TemplateUnresponsive:
-                raise
-            except template.TemplateDied:
-                # Died since we last used it (killed, OOM): one fresh template, then give up.
-                self._client = template.get_template()
-                pid = self._client.fork(fds, limit)
+            pid = self._fork(fds, limit)
         except template.TemplateUnresponsive as e:
             if timeout is None:
                 raise
             raise TimeoutError(f"rank {rank} could not be started within the call's timeout: {e}") from None
         return _ForkedRank(self._client, pid)
 
+    def _fork(self, fds: list[int], limit: float) -> int:
+        died = False
+        for _ in range(_RETIRED_TRIES):
+            try:
+                return self._client.fork(fds, limit)
+            except template.TemplateUnresponsive:
+                raise
+            except template.TemplateRetired:
+                pass  # replaced since this call began (a preloaded one is in): the current one forks it
+            except template.TemplateDied:
+                if died:
+                    raise
+                died = True  # died since we last used it (killed, OOM): one fresh template, then give up
+            self._client = template.get_template()
+        return self._client.fork(fds, limit)
+
 
 #: Seconds a call without a timeout waits for the template to start (it imports torch) and fork.
 _TEMPLATE_PATIENCE = 120.0
+#: Templates a call asks for one rank when each retires (is replaced) under it.
+_RETIRED_TRIES = 3
 
 
 class _SpawnedRank(_Pidfd):

@@ -32,7 +32,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # mpify_nb/
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # mpify_nb/, above wire/
 
 
 class RankError(RuntimeError):
@@ -43,12 +43,28 @@ class RankError(RuntimeError):
             failed because a peer disappeared).
         others: the other failures seen during the same call, as ``RankError``s.
 
-    In a notebook::
+    ``RankRaisedError`` (the function raised, or its value could not be sent back) and
+    ``RankExitedError`` (the process died) are its kinds: catch ``RankError`` for both.
 
-        try:
-            ranch(2, train)
-        except RankError as e:
-            print(e.rank, e)
+    Example (a notebook cell): a value that cannot travel back to the notebook.
+
+    ```python
+    from mpify_nb import ranch, RankError
+
+    def numbers():
+        return (i for i in range(3))       # a generator: rank 1 cannot pickle it
+
+    try:
+        ranch(2, numbers)
+    except RankError as e:
+        print(type(e).__name__, e.rank)
+        print(str(e).splitlines()[0])
+    ```
+
+    ```output
+    RankRaisedError 1
+    rank 1 raised RuntimeError: the value returned by rank 1 (generator) cannot be pickled: ...
+    ```
     """
 
     def __init__(self, rank: int, message: str, when: Optional[float] = None):
@@ -77,6 +93,29 @@ class RankRaisedError(RankError):
     ``exc_type`` is the remote exception's qualified type name, ``remote_traceback``
     the formatted remote traceback; ``__cause__`` is the original exception when it
     could be carried back.
+
+    Example (a notebook cell):
+
+    ```python
+    import os
+    from mpify_nb import ranch, RankRaisedError
+
+    def check():
+        if os.environ["RANK"] == "1":
+            raise KeyError("label")
+        return "ok"
+
+    try:
+        ranch(2, check)
+    except RankRaisedError as e:
+        print(e.rank, e.exc_type, repr(e.__cause__))
+        print(e.remote_traceback.splitlines()[-1])
+    ```
+
+    ```output
+    1 KeyError KeyError('label')
+    KeyError: 'label'
+    ```
     """
 
     def __init__(self, rank: int, exc_type: str, exc_message: str, remote_traceback: str,
@@ -97,6 +136,27 @@ class RankExitedError(RankError):
     ``exitcode`` is the exit status (``None`` when unknown), ``signal_name`` the
     signal that killed it, if any. ``recovery``, when given, is a line that says what
     brings the rank back (a Session's restart).
+
+    Example (a notebook cell): rank 1 is killed, as the OOM killer would.
+
+    ```python
+    import os, signal
+    from mpify_nb import ranch, RankExitedError
+
+    def work():
+        if os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return "done"
+
+    try:
+        ranch(2, work)
+    except RankExitedError as e:
+        print(e.rank, e.signal_name, e.exitcode)
+    ```
+
+    ```output
+    1 SIGKILL -9
+    ```
     """
 
     def __init__(self, rank: int, exitcode: Optional[int], detail: str = "", recovery: str = ""):
@@ -144,6 +204,25 @@ class CollectiveError(RankError):
 
     A Session keeps every rank's Python state; objects made on the old group (a DDP wrapper, a
     subgroup) must be made again.
+
+    Example (a notebook cell): rank 0 calls ``all_reduce`` alone.
+
+    ```python
+    from mpify_nb import Session
+    from mpify_nb.errors import CollectiveError
+
+    with Session(2) as s:
+        try:
+            s.run("t = torch.ones(1); dist.all_reduce(t)", ranks=[0])
+        except CollectiveError as e:
+            print("missing", e.missing, "rebuilt", e.rebuilt)
+        print(s.run("t = torch.ones(1); dist.all_reduce(t); t.item()"))   # every rank joins
+    ```
+
+    ```output
+    missing [1] rebuilt True
+    {0: 2.0, 1: 2.0}
+    ```
     """
 
     def __init__(self, waiting: list[int], missing: list[int], op: str = "a collective",
@@ -175,7 +254,30 @@ class CollectiveError(RankError):
 
 class StdinUnavailableError(RuntimeError):
     """Raised on a rank that reads its stdin (``input()``, pdb) when the notebook cannot
-    answer: its frontend does not allow input (``allow_stdin=False``, papermill without it)."""
+    answer: its frontend does not allow input (``allow_stdin=False``, papermill without it).
+
+    It reaches the notebook as that rank's ``RankRaisedError``, whose ``exc_type`` names it.
+
+    Example (a notebook cell, run by nbclient or papermill, which allow no input; in
+    JupyterLab the same cell asks you for rank 1's answer):
+
+    ```python
+    import os
+    from mpify_nb import ranch, RankRaisedError
+
+    def ask():
+        return input("learning rate? ") if os.environ["RANK"] == "1" else None
+
+    try:
+        ranch(2, ask)
+    except RankRaisedError as e:
+        print(e.exc_type)
+    ```
+
+    ```output
+    mpify_nb.wire.errors.StdinUnavailableError
+    ```
+    """
 
 
 class SessionClosedError(RuntimeError):
@@ -233,7 +335,25 @@ def _rank_list(ranks: list[int]) -> str:
 
 
 class PayloadError(TypeError):
-    """Something passed to ``ranch`` cannot be sent to the ranks (raised before any rank starts)."""
+    """Something passed to ``ranch`` cannot be sent to the ranks (raised before any rank starts),
+    or a value a ``Session`` pulls from a rank cannot be brought back. The message names it.
+
+    Example (a notebook cell):
+
+    ```python
+    from mpify_nb import ranch, PayloadError
+
+    numbers = (i for i in range(3))      # a generator cannot be pickled
+    try:
+        ranch(2, sum, numbers)
+    except PayloadError as e:
+        print(type(e).__mro__[1].__name__, "naming", "argument" in str(e))
+    ```
+
+    ```output
+    TypeError naming True
+    ```
+    """
 
 
 # -- the remote traceback --------------------------------------------------------------

@@ -34,7 +34,7 @@ def import_ray():
     try:
         import ray
     except ImportError:
-        raise ImportError('set_placement("ray") needs Ray: pip install "mpify_nb[ray]"') from None
+        raise ImportError('set_placement("ray") needs Ray: pip install "ray[client]>=2.9" (the ray extra)') from None
     return ray
 
 
