@@ -58,6 +58,15 @@ def broadcast_src():
     dist.broadcast(x, _rank())  # broadcast_src both
 
 
+def reduce_scatter_sizes():
+    import torch
+    import torch.distributed as dist
+
+    out = torch.zeros(2 + _rank())
+    dist.reduce_scatter(out, [torch.ones(2 + _rank()), torch.ones(2 + _rank())])  # reduce_scatter both
+    return out.tolist()
+
+
 def sizes():
     import torch
     import torch.distributed as dist

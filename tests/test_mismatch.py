@@ -286,6 +286,25 @@ def test_a_session_mistake_ends_with_its_message_and_the_group_works_again(sessi
         assert error.culprit == 0 and error.rank == 0
 
 
+def _reduce_scatter_text(at: str) -> str:
+    """gloo runs a list reduce_scatter as one all_reduce per rank's share, numbered on the group;
+    rank 0 may have returned from the first or both by the time rank 1's wait is seen."""
+    return (r"rank 0 got a wrong value from all_reduce #([12]) \(the ranks passed different sizes\): rank 0: "
+            rf"all_reduce #\1 of float32\[2\] \(returned\); rank 1 at {re.escape(at)}: all_reduce #\1 of "
+            r"float32\[3\]; ")
+
+
+def test_a_reduce_scatter_with_different_sizes_names_the_rank_that_got_a_wrong_value(session):
+    error = _fails(session, "out = torch.zeros(2 + rank)\n"
+                            "dist.reduce_scatter(out, [torch.ones(2 + rank), torch.ones(2 + rank)])")
+    assert re.fullmatch(_reduce_scatter_text(f"{CELL}, line 2") + re.escape(REBUILT), str(error)), str(error)
+    assert (error.kind, error.culprit) == ("wrong value", 0)
+    error = _ranch_fails(hm.reduce_scatter_sizes)
+    assert re.fullmatch(_reduce_scatter_text(f"{HELPERS}, line {hm.line_of('reduce_scatter both')}")
+                        + re.escape(STOPPED), str(error)), str(error)
+    assert (error.kind, error.culprit) == ("wrong value", 0)
+
+
 def test_a_rank_busy_in_python_is_waited_for_and_a_timeout_says_where_each_rank_is(session):
     source = ("import time\nt = torch.ones(1)\nif rank == 1:\n    end = time.monotonic() + 60\n"
               "    while time.monotonic() < end:\n        pass\ndist.all_reduce(t)")

@@ -61,7 +61,6 @@ class Watch:
         self.own: Optional[Callable[[bool], Optional[Snapshot]]] = None  # the caller's own rank, looked at here
         self.own_rank: Optional[int] = None
         self.absent: Callable[[], dict[int, str]] = dict  # {rank: why it left the call}
-        self.prompts: Callable[[], frozenset] = frozenset  # ranks at a prompt now
         self.snaps: dict[int, Snapshot] = {}
         self.previous: dict[int, Snapshot] = {}
         self.last_round: dict[int, Snapshot] = {}  # the latest complete round's looks
@@ -80,14 +79,12 @@ class Watch:
     # -- a call ---------------------------------------------------------------------------------
 
     def begin(self, world: int, members: Callable[[], list], absent: Callable[[], dict[int, str]],
-              own: Optional[Callable[[bool], Optional[Snapshot]]] = None, own_rank: Optional[int] = None,
-              prompts: Callable[[], frozenset] = frozenset) -> None:
+              own: Optional[Callable[[bool], Optional[Snapshot]]] = None, own_rank: Optional[int] = None) -> None:
         """A call starts: look at ``members()`` (and ``own``, this process's own rank) from
         ``LOOK_AFTER`` on; ``absent()`` says which ranks have left it, and why."""
         with self.cond:
             self.active = True
             self.world, self.members, self.absent, self.own, self.own_rank = world, members, absent, own, own_rank
-            self.prompts = prompts
             self.snaps, self.previous, self.kept, self.last_round = {}, {}, {}, {}
             self.verdict = None
             self.asked = set()
@@ -156,7 +153,11 @@ class Watch:
         for rank, why in self.absent().items():
             snaps.pop(rank, None)
             gone[rank] = why
-        return verdicts.where_text(snaps, time.time_ns(), self.prompts(), short=short, gone=gone)
+        return verdicts.where_text(snaps, time.time_ns(), self.at_user(), short=short, gone=gone)
+
+    def at_user(self) -> frozenset:
+        """The ranks that wait for the user now: at a prompt, or held at a debugger's breakpoint."""
+        return frozenset(r for r in range(self.world) if self.engine.waiting_for_user(r))
 
     # -- rounds ---------------------------------------------------------------------------------
 
@@ -213,7 +214,9 @@ class Watch:
         for rank in absent:
             if rank in kept:
                 snaps[rank] = kept[rank]
-        if self.verdict is None:
+        # A rank that waits for the user (a prompt, a debugger's breakpoint) is no hang: its
+        # peers wait for it as the cell does, and no verdict is given until it goes on.
+        if self.verdict is None and not self.engine.waiting_for_user():
             self.verdict = verdicts.judge(snaps, self.world, absent, self.previous)
         running = {r: s for r, s in self.snaps.items() if r not in absent}
         blocked = any(s.blocked is not None for s in running.values())

@@ -57,8 +57,7 @@ class WatchedCall:
     def _begin_watch(self) -> None:
         self.watch.begin(self.nprocs, lambda: [r for r in self.ranks.values() if not r.done],
                          self._absent, self._look_at_own_rank if self.caller_rank is not None else None,
-                         self.caller_rank,
-                         prompts=lambda: frozenset(self.engine.prompter.asking() if self.engine.prompter else ()))
+                         self.caller_rank)
 
     def _look_at_own_rank(self, stack: bool) -> Optional[waits.Snapshot]:
         """The caller's own rank, looked at here (the watch thread looks at the calling thread)."""

@@ -42,9 +42,7 @@ class SessionRecovery(SessionRanks):
                         if m in members else "idle"
             return gone
 
-        prompter = self._engine
-        self._engine.watch.begin(self.world_size, lambda: [m for m in self._members.values() if m.alive], absent,
-                                 prompts=lambda: frozenset(prompter.prompter.asking() if prompter.prompter else ()))
+        self._engine.watch.begin(self.world_size, lambda: [m for m in self._members.values() if m.alive], absent)
 
     def _collective_failed(self, members: list[Member], req: int, verdict: Verdict) -> None:
         missing = [self._members[r] for r in verdict.missing if r in self._members]

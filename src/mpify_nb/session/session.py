@@ -364,12 +364,10 @@ class Session(SessionCalls):
         self._check_open()
         snaps = self._look_at_ranks(timeout)
         now = time.time_ns()
-        prompter = self._engine.prompter
-        asking = set(prompter.asking()) if prompter is not None else set()
         out = Where()
         for r in sorted(snaps):
             snap = snaps[r]
-            out[r] = RankWhere(r, verdicts.doing_text(snap, now, r in asking), snap.where,
+            out[r] = RankWhere(r, verdicts.doing_text(snap, now, self._engine.waiting_for_user(r)), snap.where,
                                verdicts.stack_lines(snap), [verdicts.op_text(o) for o in snap.pending])
         return out
 
