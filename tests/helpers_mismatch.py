@@ -93,6 +93,15 @@ def isend_isend():
     work.wait()  # isend_isend both
 
 
+def isend_irecv_tag():
+    import torch
+    import torch.distributed as dist
+
+    x = torch.ones(2, 2)
+    work = dist.isend(x, 1, tag=7) if _rank() == 0 else dist.irecv(x, 0, tag=8)
+    work.wait()  # isend_irecv_tag both
+
+
 def subgroup():
     import torch
     import torch.distributed as dist

@@ -260,7 +260,11 @@ SESSION_CASES = {
                   "send to rank 1 of float32[4]; rank 1 at line 2: send to rank 0 of float32[4]"),
     "irecv_irecv": ("x = torch.ones(4)\nw = dist.irecv(x, 1 - rank)\nw.wait()",
                     f"the ranks wait for each other (each waits to receive from the other): rank 0 at {CELL}, "
-                    "line 3: Work.wait() of a recv; rank 1 at line 3: Work.wait() of a recv"),
+                    "line 3: recv from rank 1 of float32[4]; rank 1 at line 3: recv from rank 0 of float32[4]"),
+    "isend_irecv_tag": ("x = torch.ones(4)\nif rank == 0:\n    w = dist.isend(x, 1, tag=1)\nelse:\n"
+                        "    w = dist.irecv(x, 0, tag=2)\nw.wait()",
+                        f"the ranks wait for each other (a different tag): rank 0 at {CELL}, line 6: send to rank 1 "
+                        "of float32[4] (tag 1); rank 1 at line 6: recv from rank 0 of float32[4] (tag 2)"),
     "tag": ("x = torch.ones(4)\ndist.send(x, 1, tag=1) if rank == 0 else dist.recv(x, 0, tag=2)",
             f"the ranks wait for each other (a different tag): rank 0 at {CELL}, line 2: send to rank 1 of "
             "float32[4] (tag 1); rank 1 at line 2: recv from rank 0 of float32[4] (tag 2)"),
@@ -281,7 +285,7 @@ def test_a_session_mistake_ends_with_its_message_and_the_group_works_again(sessi
     error = _fails(session, source)
     assert str(error) == f"{what}; {REBUILT}"
     assert error.kind == ("wrong value" if case == "sizes" else "deadlock" if case in (
-        "recv_recv", "send_send", "irecv_irecv", "tag") else "mismatch")
+        "recv_recv", "send_send", "irecv_irecv", "tag", "isend_irecv_tag") else "mismatch")
     if case == "sizes":
         assert error.culprit == 0 and error.rank == 0
 
@@ -373,8 +377,12 @@ RANCH_CASES = {
         f"{hm.line_of('recv_recv both')}: recv from rank 0 of float32[4]"),
     "isend_isend": lambda: (
         "the ranks wait for each other (each waits to send to the other): rank 0 at "
-        f"{HELPERS}, line {hm.line_of('isend_isend both')}: Work.wait() of a send; rank 1 at line "
-        f"{hm.line_of('isend_isend both')}: Work.wait() of a send"),
+        f"{HELPERS}, line {hm.line_of('isend_isend both')}: send to rank 1 of float32[4]; rank 1 at line "
+        f"{hm.line_of('isend_isend both')}: send to rank 0 of float32[4]"),
+    "isend_irecv_tag": lambda: (
+        "the ranks wait for each other (a different tag): rank 0 at "
+        f"{HELPERS}, line {hm.line_of('isend_irecv_tag both')}: send to rank 1 of float32[2, 2] (tag 7); rank 1 at "
+        f"line {hm.line_of('isend_irecv_tag both')}: recv from rank 0 of float32[2, 2] (tag 8)"),
     "subgroup": lambda: (
         "the ranks wait in collectives that cannot match (a different op): rank 0 at "
         f"{HELPERS}, line {hm.line_of('subgroup rank 0')}: all_reduce #1 on group [0, 1] of float64[4]; rank 1 at "

@@ -518,6 +518,7 @@ class _Call(WatchedCall):
         rank = self.caller_rank
         assert rank is not None
         waits.mark_groups_born()  # what this process's recorder holds is of its earlier calls
+        waits.note_p2p()
         with self.own.running(env, self.engine.wake_w):
             try:
                 with self.own.user_code(sys._getframe()):

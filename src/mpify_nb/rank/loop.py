@@ -40,7 +40,7 @@ import sys
 import types
 from typing import Any, NoReturn, Optional
 
-from ..torchdist import waits
+from ..torchdist import p2p, waits
 from ..wire import framing, payload
 from ..wire.errors import RemoteFailure, safe_str
 from ..wire.protocol import CALL, DONE, FAIL, IMPORTED, NO_REQUEST, READY, RETURNED, pack, unpack
@@ -130,6 +130,7 @@ def _one_call(channel: socket.socket, state: RankState, req: int, body: Any, fds
     except BaseException as e:
         _send_failure(channel, req, e, f"rank {rank} could not load the call")
         process.end(0)
+    p2p.install()  # isend/irecv note their peers for the caller's looks (torch already imported)
     framing.send(channel, pack(READY, req))
     if framing.recv(channel) is None:  # no GO: the caller gave up (another rank failed to load)
         process.end(0)

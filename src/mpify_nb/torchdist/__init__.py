@@ -2,7 +2,8 @@
 
 ``groups`` (GPU ids, the store's listening socket, torch's group count), ``waits`` (a look at a
 rank: what it waits in, from torch's flight recorder and its stack, and where it is),
-``recorder`` (the recorder's dumps, gloo's and NCCL's, read as ops) and ``libraries`` (what
+``recorder`` (the recorder's dumps, gloo's and NCCL's, read as ops), ``p2p`` (the peer and tag
+``isend``/``irecv`` note beside their ``Work``, which gloo records nowhere) and ``libraries`` (what
 accelerate, Lightning and Hugging Face expect of a rank, and leave behind).
 
 Both sides use it. It imports nothing else of mpify_nb.

@@ -34,6 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from . import p2p
 from .recorder import ROOTED, Op, entries_to_ops, issued, with_root
 
 #: Entries the recorder keeps (a ring). Only the newest matter: an unfinished collective is
@@ -104,6 +105,12 @@ def enable_recorder() -> None:
     forgotten. Call before ``init_process_group``."""
     os.environ.update(recorder_env())
     mark_groups_born()
+    note_p2p()
+
+
+def note_p2p() -> None:
+    """isend/irecv note their peers and tags from now on (torchdist/p2p.py)."""
+    p2p.install()
 
 
 def mark_groups_born() -> None:
@@ -323,6 +330,10 @@ def blocked_call(frame: Any) -> tuple[Optional[Op], str, bool]:
         if work is not None:  # Work.wait() on an isend/irecv (a pipeline schedule's, say)
             kind = _P2P_OPS.get(int(work._get_op_type()))
             label = f"Work.wait() of a {kind or 'collective'}"
+            note = p2p.noted(work) if kind else None
+            if note is not None:  # its isend/irecv noted its peer and tag
+                op, peer_unknown = _p2p_op(*note)
+                return op, label, peer_unknown
             return (Op(kind) if kind else None), label, kind is not None
     return None, "", False
 
@@ -335,19 +346,28 @@ def _c10d_call(frame: Any) -> tuple[Optional[Op], str, bool]:
     group_name = _group_name(group)
     label = f"dist.{name}"
     if name in ("send", "recv"):
-        peer = _global_rank(local.get("dst" if name == "send" else "src"),
-                            local.get("group_dst" if name == "send" else "group_src"), ranks)
-        tensor = local.get("tensor")
-        tensors = ((_dtype_name(tensor), tuple(tensor.shape)),) if hasattr(tensor, "shape") else ()
-        tag = local.get("tag") if isinstance(local.get("tag"), int) else None
-        op = Op(name, group_name, ranks, None, tensors if name == "send" else (),
-                tensors if name == "recv" else (), peer, tag)
-        return op, label, peer is None
+        op, peer_unknown = _p2p_op(name, local)
+        return op, label, peer_unknown
     root = None
     if name in ROOTED:
         which = ROOTED[name]
         root = _global_rank(local.get(which), local.get(f"group_{which}"), ranks)
     return Op(name, group_name, ranks, root=root), label, False
+
+
+def _p2p_op(name: str, local: dict) -> tuple[Op, bool]:
+    """A send's or recv's op from its arguments (``local``: by name), and whether its peer is unknown."""
+    group = local.get("group")
+    ranks = _group_ranks(group)
+    peer = _global_rank(local.get("dst" if name == "send" else "src"),
+                        local.get("group_dst" if name == "send" else "group_src"), ranks)
+    tensor = local.get("tensor")
+    shape = getattr(tensor, "shape", None)
+    tensors = ((_dtype_name(tensor), tuple(shape)),) if shape is not None else ()
+    tag = local.get("tag") if isinstance(local.get("tag"), int) else None
+    op = Op(name, _group_name(group), ranks, None, tensors if name == "send" else (),
+            tensors if name == "recv" else (), peer, tag)
+    return op, peer is None
 
 
 def _global_rank(global_rank: Any, group_rank: Any, ranks: Optional[tuple[int, ...]]) -> Optional[int]:
