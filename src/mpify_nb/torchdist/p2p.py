@@ -43,8 +43,8 @@ def install() -> None:
         return
     for name, kind in (("isend", "send"), ("irecv", "recv")):
         original = getattr(c10d, name, None)
-        if original is None or getattr(original, "__wrapped__", None) is not None:
-            continue
+        if original is None or getattr(original, "_mpify_nb_notes", False):
+            continue  # already ours (a module reloaded: _originals was reset)
         _originals[name] = original
         wrapper = _noting(original, kind)
         setattr(c10d, name, wrapper)
@@ -63,6 +63,7 @@ def _noting(original: Callable, kind: str) -> Callable:
                 pass  # a Work that takes no weak reference: seen as before, peer unknown
         return work
 
+    call._mpify_nb_notes = True  # type: ignore[attr-defined]
     return call
 
 
