@@ -27,11 +27,12 @@ import dis
 import functools
 import os
 import pickle
-import re
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
+
+from . import compat, hidden_waits
 
 #: Entries the recorder keeps (a ring). Only the newest matter: an unfinished collective is
 #: one of the last few issued, and a small ring keeps a dump cheap (32 entries: ~0.2 ms).
@@ -69,11 +70,7 @@ def enable_recorder() -> None:
     ``init_process_group``."""
     global _groups_born_ns
     if not any(os.environ.get(name) for name in _RECORDER_VARIABLES):
-        # Its name since torch 2.8 (gloo's and NCCL's recorder); NCCL's own before, deprecated after.
-        torch = sys.modules.get("torch")
-        version = tuple(int(p) for p in re.findall(r"\d+", getattr(torch, "__version__", "2.8"))[:2])
-        os.environ["TORCH_FR_BUFFER_SIZE" if version >= (2, 8) else "TORCH_NCCL_TRACE_BUFFER_SIZE"] = \
-            str(RECORDER_ENTRIES)
+        os.environ[compat.recorder_variable()] = str(RECORDER_ENTRIES)
     _groups_born_ns = time.time_ns()
 
 
@@ -162,12 +159,21 @@ def blocked_call(thread_id: int) -> Optional[Wait]:
     if _calling(frame) == "wait":
         work = _unfinished_work(frame)
         if work is not None:  # Work.wait() on an isend/irecv (a pipeline schedule's, say)
-            return Wait(f"Work.wait() of a {_P2P_OPS.get(int(work._get_op_type()), 'collective')}", None, any_peer=True)
+            op = int(work._get_op_type())
+            if op in _P2P_OPS:
+                return Wait(f"Work.wait() of a {_P2P_OPS[op]}", None, any_peer=True)
+            # A collective's: named as the recorder names it (the only source before torch 2.8)
+            return Wait(_COLLECTIVE_OPS.get(op, "Work.wait() of a collective"), None, any_peer=True)
     return None
 
 
 #: torch's OpType numbers of point-to-point work (c10d/Types.hpp: SEND, RECV, RECVANYSOURCE).
 _P2P_OPS = {12: "send", 13: "recv", 14: "recv"}
+#: ... and of collectives, by the torch.distributed function that issues them.
+_COLLECTIVE_OPS = {0: "broadcast", 1: "all_reduce", 2: "all_reduce_coalesced", 3: "reduce", 4: "all_gather",
+                   5: "all_gather_into_tensor", 6: "all_gather_coalesced", 7: "gather", 8: "scatter",
+                   9: "reduce_scatter", 10: "all_to_all_single", 11: "all_to_all", 15: "barrier",
+                   16: "reduce_scatter_tensor"}
 
 
 def _calling(frame) -> Optional[str]:
@@ -236,9 +242,25 @@ def user_line(thread_id: int) -> Optional[tuple[str, int]]:
 
 def waits_of(thread_id: int, recorder: bool) -> list[Wait]:
     """What the rank waits on now: the recorder's unfinished collectives (when asked for:
-    a dump costs ~0.2 ms), else the blocking call on ``thread_id``'s stack."""
+    a dump costs ~0.2 ms), else the blocking call on ``thread_id``'s stack; where gloo has no
+    recorder (torch < 2.8), a wait deeper in torch, seen another way (torchdist/hidden_waits.py)."""
     found = pending_collectives() if recorder else []
     if not found:
         blocked = blocked_call(thread_id)
+        if blocked is None and recorder and _unrecorded_group():
+            op = hidden_waits.look(thread_id)
+            blocked = Wait(op, None, any_peer=True) if op is not None else None
         found = [blocked] if blocked is not None else []
     return found
+
+
+def _unrecorded_group() -> bool:
+    """Is this process's group one whose collectives the recorder misses (gloo before torch 2.8)?"""
+    if compat.has_gloo_recorder():
+        return False
+    try:
+        import torch.distributed as dist
+
+        return dist.is_initialized() and dist.get_backend() == "gloo"
+    except Exception:
+        return False
