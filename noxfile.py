@@ -1,10 +1,11 @@
-"""nox sessions: tests, lint, typecheck, package, docs, bench.
+"""nox sessions: tests, lint, typecheck, package, docs, floor, bench.
 
 torch is installed first, pinned to the CPU wheel this project is tested with
 (an unpinned torch would pull a multi-GB CUDA build); the package itself only
-asks for a range, so users bring their own torch.
+asks for a range, so users bring their own torch. ``floor`` runs the
+version-sensitive tests on the oldest torch of that range.
 
-``.ci/run`` runs the README's test command, then ``nox -s lint typecheck package docs``.
+``.ci/run`` runs the README's test command, then ``nox -s lint typecheck package docs floor``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,21 @@ import os
 import nox
 
 TORCH = "torch==2.13.0"
-nox.options.sessions = ["tests", "lint", "typecheck", "package", "docs"]
+#: The oldest torch we support (pyproject.toml: torch>=2.4; src/mpify_nb/torchdist/compat.py: FLOOR).
+FLOOR_TORCH = "torch==2.4.1"
+#: The test modules whose behaviour depends on torch's version: process groups made, destroyed,
+#: aborted and rebuilt, stuck collectives, DDP/FSDP/DTensor, gloo's output, debugging on ranks.
+FLOOR_TESTS = [
+    "tests/test_torch_versions.py",
+    "tests/test_ddp.py",
+    "tests/test_ranch.py",
+    "tests/test_failures.py",
+    "tests/test_session.py",
+    "tests/test_session_magics.py",
+    "tests/test_magics.py",
+    "tests/test_debugging.py",
+]
+nox.options.sessions = ["tests", "lint", "typecheck", "package", "docs", "floor"]
 
 
 @nox.session
@@ -75,6 +90,18 @@ def docs(session: nox.Session) -> None:
     session.install("-e", ".[docs]")
     session.env["NO_MKDOCS_2_WARNING"] = "1"  # Material's banner about its successor, on every build
     session.run("mkdocs", "build", "--strict", *session.posargs)
+
+
+@nox.session
+def floor(session: nox.Session) -> None:
+    """The version-sensitive tests (FLOOR_TESTS; or the tests named after ``--``) on the floor,
+    FLOOR_TORCH, as the package index builds it: a CUDA build (~3 GB of wheels) that runs on CPU.
+    On 2 cores: installs ~250 s (torch) + ~200 s (the test extra), tests ~10 min."""
+    session.install(FLOOR_TORCH)
+    session.install(FLOOR_TORCH, "-e", ".[test]")  # torch pinned: nothing in the test extra may upgrade it
+    session.run("python", "-c", f"import torch; assert torch.__version__.split('+')[0] == "
+                f"{FLOOR_TORCH.split('==')[1]!r}, torch.__version__; print('torch', torch.__version__)")
+    session.run("python", "-m", "pytest", *(session.posargs or FLOOR_TESTS))
 
 
 @nox.session

@@ -137,13 +137,21 @@ class Frontend:
 
 @pytest.fixture(scope="module")
 def nb(tmp_path_factory):
-    front = Frontend(str(tmp_path_factory.mktemp("debugging")))
+    def make() -> Frontend:
+        front = Frontend(str(tmp_path_factory.mktemp("debugging")))
+        try:
+            front.ok("%load_ext mpify_nb")
+            front.ok("%dist_init -n 2")
+        except BaseException:
+            front.close()
+            raise
+        return front
+
+    shared = nbutil.SharedKernel(make)  # a test that fails leaves the next a fresh kernel and ranks
     try:
-        front.ok("%load_ext mpify_nb")
-        front.ok("%dist_init -n 2")
-        yield front
+        yield shared
     finally:
-        front.close()
+        shared.close()
 
 
 def pdb_prompts(n: int, rank: int = 1) -> list[str]:

@@ -20,6 +20,7 @@ import pytest
 pytest.importorskip("ipykernel")
 pytest.importorskip("ipywidgets")
 
+import nbutil  # noqa: E402
 from mpify_nb.magics.views import tabs_unavailable  # noqa: E402
 from test_debugging import ANSI, Frontend  # noqa: E402
 
@@ -111,13 +112,21 @@ class Client(Frontend):
 
 @pytest.fixture(scope="module")
 def nb(tmp_path_factory):
-    front = Client(str(tmp_path_factory.mktemp("views")))
+    def make() -> Client:
+        front = Client(str(tmp_path_factory.mktemp("views")))
+        try:
+            front.good("%load_ext mpify_nb")
+            front.good("%dist_init -n 3")
+        except BaseException:
+            front.close()
+            raise
+        return front
+
+    shared = nbutil.SharedKernel(make)  # a test that fails leaves the next a fresh kernel and ranks
     try:
-        front.good("%load_ext mpify_nb")
-        front.good("%dist_init -n 3")
-        yield front
+        yield shared
     finally:
-        front.close()
+        shared.close()
 
 
 # -- lines view ----------------------------------------------------------------------------------

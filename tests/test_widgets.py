@@ -20,6 +20,7 @@ pytest.importorskip("ipywidgets")
 pytest.importorskip("ipykernel")
 pytest.importorskip("jupyter_client")
 
+import nbutil  # noqa: E402
 from test_debugging import ANSI, CELL_TIMEOUT, Frontend  # noqa: E402
 
 
@@ -126,13 +127,21 @@ class WidgetFrontend(Frontend):
 
 @pytest.fixture(scope="module")
 def fe(tmp_path_factory):
-    front = WidgetFrontend(str(tmp_path_factory.mktemp("widgets")))
+    def make() -> WidgetFrontend:
+        front = WidgetFrontend(str(tmp_path_factory.mktemp("widgets")))
+        try:
+            front.cell("%load_ext mpify_nb")
+            front.cell("%dist_init -n 2")
+        except BaseException:
+            front.close()
+            raise
+        return front
+
+    shared = nbutil.SharedKernel(make)  # a test that fails leaves the next a fresh kernel and ranks
     try:
-        front.cell("%load_ext mpify_nb")
-        front.cell("%dist_init -n 2")
-        yield front
+        yield shared
     finally:
-        front.close()
+        shared.close()
 
 
 def child_ids(fe: WidgetFrontend, comm_id: str) -> list[str]:

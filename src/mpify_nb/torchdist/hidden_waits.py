@@ -87,6 +87,10 @@ def _sleeping_without_cpu(thread_id: int) -> bool:
 
 
 def _native_id(thread_id: int) -> Optional[int]:
+    if thread_id == threading.main_thread().ident:
+        # The process's first thread (its id is the pid). Not its native_id: in a process forked
+        # from another thread (a rank from the template), Python 3.11 keeps the parent's there.
+        return os.getpid()
     for thread in threading.enumerate():
         if thread.ident == thread_id:
             return thread.native_id
