@@ -264,3 +264,25 @@ class SharedKernel:
     def close(self) -> None:
         if self._driver is not None:
             self._driver.close()
+
+
+def shared_kernel(make: Any) -> Any:
+    """A module fixture's body: ``yield from shared_kernel(make)`` yields a :class:`SharedKernel`
+    and closes it at the module's end."""
+    shared = SharedKernel(make)
+    try:
+        yield shared
+    finally:
+        shared.close()
+
+
+def ready(driver: Any, run: str, cells: list[str]) -> Any:
+    """``driver`` after running ``cells`` with its method ``run`` (``"ok"``, ``"good"``, ``"cell"``);
+    closed if one fails."""
+    try:
+        for cell in cells:
+            getattr(driver, run)(cell)
+    except BaseException:
+        driver.close()
+        raise
+    return driver

@@ -137,21 +137,9 @@ class Frontend:
 
 @pytest.fixture(scope="module")
 def nb(tmp_path_factory):
-    def make() -> Frontend:
-        front = Frontend(str(tmp_path_factory.mktemp("debugging")))
-        try:
-            front.ok("%load_ext mpify_nb")
-            front.ok("%dist_init -n 2")
-        except BaseException:
-            front.close()
-            raise
-        return front
-
-    shared = nbutil.SharedKernel(make)  # a test that fails leaves the next a fresh kernel and ranks
-    try:
-        yield shared
-    finally:
-        shared.close()
+    # A test that fails leaves the next a fresh kernel and ranks.
+    yield from nbutil.shared_kernel(lambda: nbutil.ready(Frontend(str(tmp_path_factory.mktemp("debugging"))), "ok",
+                                                         ["%load_ext mpify_nb", "%dist_init -n 2"]))
 
 
 def pdb_prompts(n: int, rank: int = 1) -> list[str]:

@@ -127,14 +127,9 @@ def wait_for_output(cell, pattern: str, timeout: float = 60.0) -> re.Match:
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
-    def make() -> Kernel:
-        k = Kernel(tmp_path_factory.mktemp("kernel"))
-        k.ok("%load_ext mpify_nb")
-        return k
-
-    shared = nbutil.SharedKernel(make)  # a test that fails leaves the next a fresh kernel
-    yield shared
-    shared.close()
+    # A test that fails leaves the next a fresh kernel.
+    yield from nbutil.shared_kernel(lambda: nbutil.ready(Kernel(tmp_path_factory.mktemp("kernel")), "ok",
+                                                         ["%load_ext mpify_nb"]))
 
 
 def process_gone(pid: int, timeout: float = 10.0) -> bool:

@@ -30,7 +30,14 @@ from mpify_nb.magics.auto import route, split_cell  # noqa: E402
 from mpify_nb.magics.session import parse_ranks  # noqa: E402
 from test_magics import Kernel as MagicsKernel  # noqa: E402
 from test_magics import Ran, wait_for_output  # noqa: E402
-from versions import DTENSOR_MODULE, GLOO_RECORDER, GLOO_SIZE_MISMATCH, TORCH, needs_fsdp2_on_cpu  # noqa: E402
+from versions import (  # noqa: E402
+    DDP_BACKWARD_WAIT,
+    DTENSOR_MODULE,
+    GLOO_RECORDER,
+    GLOO_SIZE_MISMATCH,
+    TORCH,
+    needs_fsdp2_on_cpu,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 CELL_TIMEOUT = 120
@@ -165,21 +172,11 @@ def gone(pid: int, timeout: float = 10.0) -> bool:
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory):
     def make() -> Kernel:
-        k = Kernel(tmp_path_factory.mktemp("dist"))
-        try:
-            k.ok("%load_ext mpify_nb")
-            ran = k.ok("%dist_init -n 2")
-        except BaseException:
-            k.close()
-            raise
-        k.init_output = ran.stream("stdout")
+        k = nbutil.ready(Kernel(tmp_path_factory.mktemp("dist")), "ok", ["%load_ext mpify_nb", "%dist_init -n 2"])
+        k.init_output = nbutil.stream_text(k.nb.cells[-1])  # what %dist_init printed
         return k
 
-    shared = nbutil.SharedKernel(make)  # a test that fails leaves the next a fresh kernel and ranks
-    try:
-        yield shared
-    finally:
-        shared.close()
+    yield from nbutil.shared_kernel(make)  # a test that fails leaves the next a fresh kernel and ranks
 
 
 # -- starting, automatic mode, where cells run ---------------------------------------------------
@@ -493,8 +490,6 @@ HIDDEN_WAITS = {
                       "hid_net = fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)))",
                       "hid_out = hid_net(torch.ones(2, 4))", "dist.all_gather", 1),
 }
-#: What rank 0 is said to wait in when a DDP backward waits for rank 1's gradients.
-DDP_BACKWARD_WAIT = "dist.all_reduce" if GLOO_RECORDER else "Tensor.backward"
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=needs_fsdp2_on_cpu) if c == "fsdp2_forward" else c

@@ -112,21 +112,9 @@ class Client(Frontend):
 
 @pytest.fixture(scope="module")
 def nb(tmp_path_factory):
-    def make() -> Client:
-        front = Client(str(tmp_path_factory.mktemp("views")))
-        try:
-            front.good("%load_ext mpify_nb")
-            front.good("%dist_init -n 3")
-        except BaseException:
-            front.close()
-            raise
-        return front
-
-    shared = nbutil.SharedKernel(make)  # a test that fails leaves the next a fresh kernel and ranks
-    try:
-        yield shared
-    finally:
-        shared.close()
+    # A test that fails leaves the next a fresh kernel and ranks.
+    yield from nbutil.shared_kernel(lambda: nbutil.ready(Client(str(tmp_path_factory.mktemp("views"))), "good",
+                                                         ["%load_ext mpify_nb", "%dist_init -n 3"]))
 
 
 # -- lines view ----------------------------------------------------------------------------------

@@ -127,21 +127,9 @@ class WidgetFrontend(Frontend):
 
 @pytest.fixture(scope="module")
 def fe(tmp_path_factory):
-    def make() -> WidgetFrontend:
-        front = WidgetFrontend(str(tmp_path_factory.mktemp("widgets")))
-        try:
-            front.cell("%load_ext mpify_nb")
-            front.cell("%dist_init -n 2")
-        except BaseException:
-            front.close()
-            raise
-        return front
-
-    shared = nbutil.SharedKernel(make)  # a test that fails leaves the next a fresh kernel and ranks
-    try:
-        yield shared
-    finally:
-        shared.close()
+    # A test that fails leaves the next a fresh kernel and ranks.
+    yield from nbutil.shared_kernel(lambda: nbutil.ready(WidgetFrontend(str(tmp_path_factory.mktemp("widgets"))),
+                                                         "cell", ["%load_ext mpify_nb", "%dist_init -n 2"]))
 
 
 def child_ids(fe: WidgetFrontend, comm_id: str) -> list[str]:

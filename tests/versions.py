@@ -18,6 +18,10 @@ TORCH = compat.parse_version(torch.__version__)
 #: what the stack shows (torchdist/hidden_waits.py).
 GLOO_RECORDER = compat.has_gloo_recorder()
 
+#: What a rank is said to wait in when a DDP backward waits for a rank that never comes: the
+#: recorder's all_reduce, or (before 2.8) the torch call the stack shows.
+DDP_BACKWARD_WAIT = "dist.all_reduce" if GLOO_RECORDER else "Tensor.backward"
+
 #: Where the public DTensor API is (torch.distributed.tensor since 2.5).
 DTENSOR_MODULE = "torch.distributed.tensor" if TORCH >= (2, 5) else "torch.distributed._tensor"
 

@@ -14,6 +14,8 @@ sources, read from the rank's control thread while its main thread runs a reques
     the main thread's frame    a send/recv (the recorder leaves point-to-point out) or any
     (blocked_call)             dist.* call on a torch without the recorder: the innermost
                                Python frame is the c10d function whose C++ wait blocks.
+    hidden_waits.py            where gloo has no recorder (torch < 2.8): a wait deeper in
+                               torch, seen from the stack and the thread's CPU time.
 
 The caller (session/session.py) puts this together with what it knows and the rank does not: which
 ranks are idle, finished, failed or dead. A collective is stuck when a rank of its group
