@@ -98,6 +98,16 @@ def test_gloo_banner_lines_are_dropped_unless_a_peer_is_missing():
     assert compat.drop_gloo_banner(b"before\n" + ok + b"after\n" + short) == b"before\nafter\n" + short
 
 
+def test_a_ddp_call_prints_nothing_of_gloo_on_the_callers_stdout():
+    """Torch 2.8 prints "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected
+    peer ranks is : 1" from C++ on each rank's fd 1 as a group is made: the caller's (a notebook
+    cell) and the ranks' (relayed with their label)."""
+    code = "from mpify_nb import in_torchddp, ranch\nprint(ranch(2, int, ctx=in_torchddp()))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, MPIFY_NB_PREWARM="0"))
+    assert (done.returncode, done.stdout) == (0, "[0, 0]\n"), done.stderr
+
+
 def test_the_banner_printed_on_fd_1_while_a_group_is_made_is_kept_out(capfd, monkeypatch):
     monkeypatch.setattr(compat, "gloo_prints_banner", lambda: True)
     banner = b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n"
