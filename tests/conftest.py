@@ -8,6 +8,7 @@ each call starts its own kernel and shuts it down, checking nothing it started i
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Callable
@@ -57,3 +58,33 @@ def _recover_shared_kernels(request):
     for value in list(getattr(request.node, "funcargs", {}).values()):
         if isinstance(value, nbutil.SharedKernel):
             value.recover()
+
+
+@pytest.fixture
+def sigint_handler():
+    """Python's own SIGINT handler (KeyboardInterrupt), with mpify_nb's in front of it as
+    ``import mpify_nb`` puts it (engine/interrupts.py), for a test that interrupts this process.
+
+    A run started with SIGINT ignored (``nohup ... &``, ``cmd &`` in a script, some CI runners)
+    has none, and mpify_nb keeps a process's ``SIG_IGN`` (a call never turns the user's SIGINT
+    into KeyboardInterrupt there): such a test sets the handler it needs, and puts the old one back.
+    """
+    from mpify_nb.engine import interrupts
+
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    interrupts.install()
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Ranks import what the caller imported before each call (wire/modules.py). The pytest process is no
+    notebook: it holds the test tooling and every library a test module imports at collection (ray, fastai,
+    sklearn...), so each rank of every in-process call would import them all again. Off in this process
+    only; the kernels and scripts the tests start keep the default, as a user's notebook has it
+    (test_shipping and test_preload turn it on here where they test it)."""
+    from mpify_nb.wire import modules
+
+    modules.set_rank_imports(False)

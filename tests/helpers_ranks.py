@@ -626,3 +626,147 @@ def describe_time_arrays(arrays: dict) -> dict:
     """Each array's dtype, shape, Fortran order, and first and last values as text, on this rank."""
     return {name: (a.dtype.str, a.shape, bool(a.flags.f_contiguous and not a.flags.c_contiguous),
                    str(a.flat[0]), str(a.flat[-1])) for name, a in arrays.items()}
+
+
+# -- the caller's rank stopped while it imports (test_stopping.py) ---------------------------
+
+def until_the_stop_is_under_way() -> None:
+    """Wait (in Python, where a stop can land) until the caller's rank is being stopped (a thread
+    "mpify_nb-stop" runs), and a little more."""
+    import threading
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(t.name == "mpify_nb-stop" for t in threading.enumerate()):
+        time.sleep(0.01)
+    until = time.monotonic() + 0.3
+    while time.monotonic() < until:
+        time.sleep(0.01)
+
+
+#: A package whose import, when ``SLOW_PACKAGE_WAIT`` names a directory, lasts until the caller's
+#: rank is being stopped: a stop raised into its top level would drop it from sys.modules and
+#: keep ``.first``, the submodule it had finished.
+SLOW_PACKAGE_INIT = '''\
+import os
+from . import first
+_wait = os.environ.get("SLOW_PACKAGE_WAIT")
+if _wait:
+    import helpers_ranks
+    open(os.path.join(_wait, "importing"), "w").close()
+    helpers_ranks.until_the_stop_is_under_way()
+from . import second
+done = True
+'''
+
+
+def write_slow_package(directory: str, name: str) -> None:
+    """``directory/name``: the package above, with submodules ``first`` and ``second``."""
+    package = Path(directory) / name
+    package.mkdir()
+    (package / "__init__.py").write_text(SLOW_PACKAGE_INIT)
+    (package / "first.py").write_text("VALUE = 'first'\n")
+    (package / "second.py").write_text("VALUE = 'second'\n")
+
+
+def wait_for_file(path: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def import_slowly_while_rank_1_fails(name: str, directory: str) -> str:
+    """Rank 0 imports the slow package (then loops in Python, where it can be stopped); rank 1
+    raises once rank 0 is inside that import."""
+    if rank() == 1:
+        wait_for_file(os.path.join(directory, "importing"))
+        raise ValueError("rank 1 fails while rank 0 imports")
+    os.environ["SLOW_PACKAGE_WAIT"] = directory
+    __import__(name)  # what an import statement does
+    end = time.monotonic() + 120
+    while time.monotonic() < end:
+        time.sleep(0.01)
+    return "not stopped"
+
+
+def import_slowly_then_sleep(name: str, directory: str) -> str:
+    """Rank 0 imports the slow package (the stop button comes meanwhile); the others sleep."""
+    if rank() != 0:
+        time.sleep(120)
+        return "slept"
+    os.environ["SLOW_PACKAGE_WAIT"] = directory
+    __import__(name)
+    end = time.monotonic() + 120
+    while time.monotonic() < end:
+        time.sleep(0.01)
+    return "not stopped"
+
+
+def slow_package_values(name: str) -> tuple:
+    """Import the package as any later call would (no waiting), and read both submodules
+    through it, as attributes."""
+    import importlib
+
+    package = importlib.import_module(name)
+    return package.first.VALUE, package.second.VALUE, package.done
+
+
+def interrupt_caller_then_return(caller_pid: int, directory: str) -> str:
+    """Rank 1 sends SIGINT to the caller, then returns; rank 0 (the caller) waits until it did."""
+    sent = os.path.join(directory, "sent")
+    if rank() == 1:
+        os.kill(caller_pid, signal.SIGINT)
+        time.sleep(0.5)  # the signal is handled (or ignored) before rank 0 hears
+        open(sent, "w").close()
+        return "sent"
+    wait_for_file(sent)
+    time.sleep(0.2)
+    return "finished"
+
+
+def parent_pid() -> int:
+    """The process this rank was forked from (its template)."""
+    return os.getppid()
+
+
+def stopped_in_a_finalizer(directory: str, kind: str) -> str:
+    """Rank 0 runs a finalizer (``kind``: a ``__del__``, or a weakref callback) that lasts until its
+    stop is under way; rank 1 raises meanwhile. Rank 0 writes ``finalized`` when the finalizer ran
+    to its end, and ``not_stopped`` if nothing stopped it within 20 s after."""
+    import weakref
+
+    if rank() == 1:
+        wait_for_file(os.path.join(directory, "finalizing"))
+        raise ValueError("rank 1 fails while rank 0 finalizes")
+
+    def finalize(*_args: Any) -> None:
+        open(os.path.join(directory, "finalizing"), "w").close()
+        until_the_stop_is_under_way()
+        open(os.path.join(directory, "finalized"), "w").close()
+
+    class Finalized:
+        def __del__(self) -> None:
+            finalize()
+
+    thing: Any = Finalized() if kind == "__del__" else type("Plain", (), {})()
+    keep = weakref.ref(thing, finalize) if kind == "weakref callback" else None
+    del thing  # the finalizer runs here, called by the interpreter (a callback: from C)
+    end = time.monotonic() + 20
+    while time.monotonic() < end:
+        time.sleep(0.01)
+    open(os.path.join(directory, "not_stopped"), "w").close()
+    return str(keep)
+
+
+def replace_sigint_handler_then_loop(directory: str) -> str:
+    """Rank 0 (the caller) puts its own SIGINT handler in place, as accelerate's notebook_launcher
+    does, then loops in Python; rank 1 raises after that. ``not_stopped``: nothing stopped rank 0."""
+    if rank() == 1:
+        wait_for_file(os.path.join(directory, "replaced"))
+        raise ValueError("rank 1 fails after rank 0 replaced its SIGINT handler")
+    signal.signal(signal.SIGINT, lambda signum, frame: None)
+    open(os.path.join(directory, "replaced"), "w").close()
+    end = time.monotonic() + 20
+    while time.monotonic() < end:
+        time.sleep(0.01)
+    open(os.path.join(directory, "not_stopped"), "w").close()
+    return "not stopped"

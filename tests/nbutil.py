@@ -286,3 +286,35 @@ def ready(driver: Any, run: str, cells: list[str]) -> Any:
         driver.close()
         raise
     return driver
+
+
+# -- a reference run under torchrun -------------------------------------------------------------
+
+def torchrun_results(script, *args: str, timeout: float = 120) -> list[dict]:
+    """Run ``torchrun --nproc-per-node 2 script args...`` (a free port, torchrun's own thread rule)
+    and return each rank's ``RESULT {...}`` line (a flat JSON object with a "rank"), by rank."""
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    env.pop("OMP_NUM_THREADS", None)  # torchrun's own rule decides, as in ranch
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+         str(script), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: our own session
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    # The two workers share one stdout: their lines may run into each other.
+    results = [json.loads(m) for m in re.findall(r"RESULT (\{[^{}]*\})", out)]
+    assert len(results) == 2, out
+    return sorted(results, key=lambda r: r["rank"])
+

@@ -8,11 +8,9 @@ One kernel serves the persistent-rank tests (2 ranks, gloo); ``%%ranch`` runs in
 
 from __future__ import annotations
 
-import os
 import queue
 import re
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
@@ -21,10 +19,8 @@ import pytest
 pytest.importorskip("ipykernel")
 jupyter_client = pytest.importorskip("jupyter_client")
 
-from jupyter_client.kernelspec import KernelSpecManager  # noqa: E402
-from jupyter_client.manager import KernelManager  # noqa: E402
 
-import nbutil  # noqa: E402
+from helpers_debugger import KernelFrontend, take_output  # noqa: E402
 
 CELL_TIMEOUT = 120.0
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -49,18 +45,8 @@ class Cell:
 Answers = Union[list, Callable[[str], Optional[str]]]
 
 
-class Frontend:
+class Frontend(KernelFrontend):
     """A kernel (this interpreter, the private kernelspec of nbutil) and a client to it."""
-
-    def __init__(self, cwd: str):
-        self.marker = uuid.uuid4().hex
-        env = dict(os.environ, **{nbutil.MARKER_VAR: self.marker, "PYDEVD_DISABLE_FILE_VALIDATION": "1"})
-        self.km = KernelManager(kernel_name=nbutil.KERNEL_NAME,
-                                kernel_spec_manager=KernelSpecManager(kernel_dirs=[nbutil.kernel_dir()]))
-        self.km.start_kernel(env=env, cwd=cwd)
-        self.kc = self.km.client()
-        self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=60)
 
     def run(self, code: str, answers: Answers = (), allow_stdin: bool = True,
             timeout: float = CELL_TIMEOUT) -> Cell:
@@ -96,21 +82,7 @@ class Frontend:
                     break
                 if msg["parent_header"].get("msg_id") != msg_id:
                     continue
-                kind, content = msg["msg_type"], msg["content"]
-                if kind == "stream":
-                    if content["name"] == "stdout":
-                        cell.stdout += content["text"]
-                    else:
-                        cell.stderr += content["text"]
-                elif kind in ("execute_result", "display_data"):
-                    cell.results.append(content["data"].get("text/plain", ""))
-                elif kind == "error":
-                    cell.ename = content["ename"]
-                    cell.traceback = ANSI.sub("", "\n".join(content["traceback"]))
-                elif kind == "execute_input":
-                    cell.number = content["execution_count"]
-                elif kind == "status" and content["execution_state"] == "idle":
-                    idle = True
+                idle = take_output(cell, msg["msg_type"], msg["content"]) or idle
             if reply is None:
                 try:
                     msg = self.kc.shell_channel.get_msg(timeout=0.005)
@@ -127,12 +99,6 @@ class Frontend:
         assert cell.status == "ok", cell
         return cell
 
-    def close(self) -> None:
-        try:
-            self.kc.stop_channels()
-            self.km.shutdown_kernel(now=False)
-        finally:
-            nbutil.assert_no_leftovers(self.marker)
 
 
 @pytest.fixture(scope="module")

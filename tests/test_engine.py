@@ -66,3 +66,31 @@ def test_a_capability_reaches_session_ranks(echo_capability):
         assert s.apply(rank_side_echo) == {0: b"0 morf olleh", 1: b"1 morf olleh"}
         assert s.apply(rank_side_echo, ranks=[1]) == {1: b"1 morf olleh"}  # the ranks stay: again
     assert sorted(echo_capability) == [(0, b"hello from 0"), (1, b"hello from 1"), (1, b"hello from 1")]
+
+
+def test_a_rank_paused_at_a_breakpoint_waits_for_the_user_and_its_time_is_not_the_calls():
+    """What the debugger tells the engine (engine.pause/unpause), read as text pdb's prompts are:
+    the call's time limit stops running, and a peer waiting on that rank is no error."""
+    import sys
+    import time
+
+    from mpify_nb.relay.pipes import OutputRelay
+
+    e = engine.Engine(OutputRelay(sys.stdout, sys.stderr), pump_output=True, persistent=True)
+    try:
+        deadline = time.monotonic() + 100.0
+        assert not e.waiting_for_user()
+        e.pause(1)
+        assert e.waiting_for_user() and e.waiting_for_user(1) and not e.waiting_for_user(0)
+        assert e.time_left(deadline) is None
+        time.sleep(0.2)
+        e.unpause(1)
+        assert not e.waiting_for_user(1)
+        left = e.time_left(deadline)
+        assert left is not None and left > deadline - time.monotonic() + 0.2  # the pause is given back
+        e.starting_call([])  # a new call starts with nothing paused and nothing given back
+        before = time.monotonic()
+        left = e.time_left(deadline)
+        assert left is not None and left <= deadline - before
+    finally:
+        e.close()

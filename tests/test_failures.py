@@ -506,7 +506,7 @@ def test_calls_from_two_threads_leave_nothing_behind(caller_rank):
 
 
 @pytest.mark.parametrize("caller_rank", [0, None])
-def test_interrupt_stops_a_call_running_on_another_thread(caller_rank, tmp_path):
+def test_interrupt_stops_a_call_running_on_another_thread(caller_rank, tmp_path, sigint_handler):
     """Signal handlers run on the main thread only; the stop button must still stop a call
     that a worker thread runs (the caller's own rank included), and leave nothing."""
     assert_next_call_works()  # from the main thread: our SIGINT handler is in place

@@ -59,6 +59,8 @@ LAYERS: dict[str, int] = {
     "ddp": 5,
     "decorator": 5,
     "imports": 5,
+    # 5: the frontend's debugger panel across a Session's ranks (the kernel's half; the rank's is rank/)
+    "debugger": 5,
     # 6: the magics
     "magics": 6,
     # 7: the package's front door (re-exports, %load_ext, the "ray" placement's provider)

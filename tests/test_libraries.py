@@ -10,10 +10,6 @@ imports in ~3 s): marked ``libraries``, skipped when a library is missing.
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -40,30 +36,7 @@ def _require(name: str) -> None:
 
 def torchrun(name: str) -> list[dict]:
     """Rank results of ``torchrun --nproc-per-node 2 libraries.py name``, by rank."""
-    import signal
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    env.pop("OMP_NUM_THREADS", None)  # torchrun's own rule decides, as in ranch
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-         str(SCRIPT), name],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: our own session
-            proc.wait()
-    assert proc.returncode == 0, err[-3000:]
-    # The two workers share one stdout: their lines may run into each other.
-    results = [json.loads(m) for m in re.findall(r"RESULT (\{[^{}]*\})", out)]
-    assert len(results) == 2, out
-    return sorted(results, key=lambda r: r["rank"])
+    return nbutil.torchrun_results(SCRIPT, name)
 
 
 def _state_probe() -> str:

@@ -15,6 +15,7 @@ import pytest
 import helpers_ranks as hr
 import mpify_nb
 from mpify_nb.start import preload, template
+from mpify_nb.wire import modules as rank_modules
 
 # Standard-library modules that neither torch nor numpy import (the base template lacks them).
 POOL = ["colorsys", "wave", "netrc", "tabnanny", "sched", "pyclbr", "filecmp", "graphlib", "poplib", "ftplib"]
@@ -38,9 +39,12 @@ def fresh():
         preload._enabled = enabled
 
     was = preload.enabled()  # off for the rest of the suite (conftest): leave it so
+    imports_were = rank_modules._enabled  # the same for the ranks' imports of the caller's modules
+    rank_modules._enabled = True
     reset(True)
     yield
     reset(was)
+    rank_modules._enabled = imports_were
 
 
 def held_at_start(names: list) -> list[dict]:
@@ -48,7 +52,11 @@ def held_at_start(names: list) -> list[dict]:
 
 
 def test_base_template_lacks_the_pool():
-    assert held_at_start(POOL) == [dict.fromkeys(POOL, False)] * 2
+    # Only those this process has not imported: the ranks import the caller's modules before fn
+    # runs (as in a notebook), and earlier tests in the suite import some of the pool (matplotlib
+    # imports colorsys).
+    names = unused(3)
+    assert held_at_start(names) == [dict.fromkeys(names, False)] * 2
 
 
 def test_a_module_a_rank_imported_in_call_1_is_in_the_rank_of_call_3():
@@ -71,8 +79,11 @@ def test_working_directory_modules_are_never_preloaded(tmp_path, monkeypatch):
         held_at_start([name, mod])
         assert template.wait_preloaded(timeout=120)
         held_at_start([])
-        # The stdlib module was preloaded (so a preloading template did come), the user's own was not.
-        assert held_at_start([name, mod]) == [{name: False, mod: True}] * 2
+        # The stdlib module was preloaded (so a preloading template did come), the user's own was not:
+        # the ranks hold it because they import what the notebook imported before each call.
+        assert held_at_start([name, mod]) == [{name: True, mod: True}] * 2
+        assert mod in template.get_template().holds()
+        assert template.get_template().lacks([name]) == [name]
     finally:
         sys.modules.pop(name, None)
 
@@ -152,9 +163,10 @@ def test_a_module_that_would_make_forks_unsafe_is_left_out(tmp_path, monkeypatch
     assert why in preload.failed()[name]
 
 
-def test_a_module_only_the_notebook_imported_is_not_imported_again_in_the_template(tmp_path, monkeypatch):
-    # Before: the template preloaded what the notebook alone had imported, so its import-time side
-    # effects (here a log line; a helper process in the issue) ran a second time.
+def test_a_module_only_the_notebook_imported_is_on_every_rank_then_preloaded(tmp_path, monkeypatch):
+    """Issue 27: a call behaves the same whether or not a preload has finished, so every rank
+    imports what the notebook imported before it loads the call; the template then learns it
+    from the ranks (its import-time side effect runs there once more, as in any fork-less launcher)."""
     site = tmp_path / "site-packages"
     site.mkdir()
     log = tmp_path / "imports.log"
@@ -162,13 +174,21 @@ def test_a_module_only_the_notebook_imported_is_not_imported_again_in_the_templa
     (site / f"{name}.py").write_text(f"with open({str(log)!r}, 'a') as f:\n    f.write('imported\\n')\n")
     monkeypatch.syspath_prepend(str(site))
     __import__(name)  # the notebook's own import
-    [mod] = unused(1)
     try:
-        held_at_start([mod])
+        assert held_at_start([name]) == [{name: True}] * 2  # imported before the call began
+        assert log.read_text() == "imported\n" * 3  # the notebook, then each rank of call 1
         assert template.wait_preloaded(timeout=120)
         held_at_start([])
-        assert held_at_start([mod]) == [{mod: True}] * 2  # what the ranks imported is preloaded
-        assert name not in template.get_template().holds()
-        assert log.read_text() == "imported\n"
+        assert held_at_start([name]) == [{name: True}] * 2
+        assert name in template.get_template().holds()
+        assert log.read_text() == "imported\n" * 4  # and once in the template: not per call any more
     finally:
         sys.modules.pop(name, None)
+
+
+def test_the_submodules_of_a_module_left_out_are_left_out_too():
+    """Ranks import every module the notebook imported, so the template learns whole packages: once a
+    package is left out (it started a thread), its submodules must not cost a candidate each."""
+    preload._learned.update(dict.fromkeys(["pkgx", "pkgx.sub", "pkgx.sub.deep", "pkgxy", "other"]))
+    preload.mark_failed("pkgx", "it starts a thread at import")
+    assert preload.wanted() == ["pkgxy", "other"]

@@ -138,7 +138,7 @@ def test_ranks_sharing_a_node_are_numbered_on_it(cluster):
     assert env[0]["GROUP_WORLD_SIZE"] == "2"
 
 
-def test_stop_button_stops_remote_ranks(on_ray):
+def test_stop_button_stops_remote_ranks(on_ray, sigint_handler):
     """SIGINT to the caller (the kernel's interrupt) while ranks on other nodes run: every rank
     is stopped, KeyboardInterrupt here within seconds, and the next call works."""
 

@@ -137,7 +137,7 @@ def test_a_subgroup_collective_blames_only_its_members_and_a_held_group_is_unstu
         assert s.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item(), kept") == {r: (3.0, r) for r in range(3)}
 
 
-def test_interrupt_stops_every_rank_keeps_state_and_the_next_call_works(session):
+def test_interrupt_stops_every_rank_keeps_state_and_the_next_call_works(session, sigint_handler):
     idents = identities(session)
     session.run("kept = rank")
     threading.Timer(0.3, session.interrupt).start()
@@ -198,7 +198,7 @@ def test_a_ddp_backward_that_waits_for_an_idle_rank_ends_with_collective_error(s
                        "model.module.bias.grad.item()") == {0: 2.0, 1: 2.0}
 
 
-def test_the_stop_button_reaches_a_call_running_on_another_thread(session):
+def test_the_stop_button_reaches_a_call_running_on_another_thread(session, sigint_handler):
     outcome = []
 
     def call() -> None:
@@ -280,10 +280,13 @@ def test_push_and_pull_big_tensors_and_arrays_through_shared_memory(session):
 
 
 def test_apply_runs_a_notebook_function_that_sees_the_rank_namespace(session):
-    scale = 3
-
-    def f(a, b=0):
-        return rank * scale + a + b  # noqa: F821  (rank lives in the rank's namespace)
+    # A notebook cell: its globals are __main__'s, so f travels by value and sees the rank's names
+    # (a function of an importable module, this one's included, runs in that module's globals).
+    cell = {"__name__": "__main__"}
+    exec("scale = 3\n"
+         "def f(a, b=0):\n"
+         "    return rank * scale + a + b\n", cell)  # rank lives in the rank's namespace
+    f = cell["f"]
 
     assert session.apply(f, 1, b=10) == {0: 11, 1: 14}
     assert session.apply(f, 0, ranks=1) == {1: 3}
@@ -436,7 +439,7 @@ def test_programs_a_rank_starts_read_end_of_file_from_stdin(session):
     assert session.run(forked, timeout=30) == {0: 0, 1: 0}
 
 
-def test_the_stop_button_during_restart_leaves_every_rank_a_member(session):
+def test_the_stop_button_during_restart_leaves_every_rank_a_member(session, sigint_handler):
     # Before: restart() removed the members before their successors existed; an interrupt
     # 2-10 ms in left status() without them, and every later call failed with KeyError: 0.
     session.run("kept = rank")
@@ -447,6 +450,7 @@ def test_the_stop_button_during_restart_leaves_every_rank_a_member(session):
         try:
             session.restart([1])
             time.sleep(0.2)  # an interrupt that came after restart() returned lands here
+            timer.join()  # or here, when a loaded machine ran the timer later still
             outcomes.append("done")
         except KeyboardInterrupt:
             outcomes.append("interrupted")
@@ -609,7 +613,7 @@ def test_a_rank_killed_as_the_group_is_rebuilt_is_named(monkeypatch):
         assert s.status()[1].state == "dead"
 
 
-def test_the_stop_button_during_close_leaves_nothing_open():
+def test_the_stop_button_during_close_leaves_nothing_open(sigint_handler):
     # Before: an interrupt inside close() (while it waited for a rank to be gone) left the rank's
     # channels, pipes and pidfd, and the session's own, open for good: close() again did nothing.
     def open_fds() -> int:
@@ -626,6 +630,7 @@ def test_the_stop_button_during_close_leaves_nothing_open():
         try:
             s.close()
             time.sleep(0.2)  # an interrupt that came after close() returned lands here
+            timer.join()  # or here, when a loaded machine ran the timer later still
         except KeyboardInterrupt:
             interrupted += 1
         timer.join()

@@ -183,6 +183,58 @@ def test_two_ranks_partial_lines_each_grow_on_their_own_line(nb):
     assert not any(o["output_type"] == "stream" and "a0" in o["text"] for o in screen.outputs()), texts
 
 
+# -- a cell that leaves a line unfinished -----------------------------------------------------------
+
+BAR_LEFT_OPEN = """\
+%%rank [1]
+import time
+for i in range(3):
+    print(f"\\rstep {i}", end="", flush=True)  # a console bar's redraws, never ended
+    time.sleep(0.3)
+"""
+NEXT_CELL = '%%rank [1]\nprint("next cell")'
+
+
+def _shown_per_cell(screens: list[Screen]) -> list[list[str]]:
+    """What a frontend shows in each cell: an update_display_data of any cell changes the output
+    with that display_id wherever it is (in an earlier cell too)."""
+    cells = [[dict(o) for o in screen.outputs()] for screen in screens]
+    for screen in screens:
+        for kind, content in screen.messages:
+            if kind == "update_display_data":
+                for outputs in cells:
+                    for o in outputs:
+                        if o.get("id") == content["transient"]["display_id"]:
+                            o["data"] = dict(content["data"])
+    return [[o["text"] if o["output_type"] == "stream" else o["data"].get("text/plain", "") for o in outputs
+             if o["output_type"] != "error"] for outputs in cells]
+
+
+@pytest.mark.parametrize("view", ["lines", "tabs"])
+def test_each_cells_output_lands_in_that_cell_after_a_bar_left_unfinished(nb, view):
+    # Before (lines): the next cell's line went into the previous cell's bar display (an
+    # update_display_data of its display_id), and the new cell showed nothing of rank 1.
+    nb.good(f"%dist_view {view}")
+    try:
+        first, second = nb.good(BAR_LEFT_OPEN), nb.good(NEXT_CELL)
+    finally:
+        nb.good("%dist_view lines")
+    if view == "lines":
+        assert _shown_per_cell([first, second]) == [["[rank 1] step 2"], ["[rank 1] next cell\n"]]
+        made_first = {c["transient"]["display_id"] for k, c in first.messages if k == "display_data"}
+        assert [c["data"]["text/plain"] for k, c in first.messages if k in ("display_data", "update_display_data")] \
+            == ["[rank 1] step 0", "[rank 1] step 1", "[rank 1] step 2"]
+        assert [m for m in second.messages if m[0] not in ("status", "execute_input")] == [
+            ("stream", {"name": "stdout", "text": "[rank 1] next cell\n"})]
+        assert not made_first & {c.get("transient", {}).get("display_id") for k, c in second.messages}
+    else:
+        assert _tab(first, [1]) == [[{"output_type": "stream", "name": "stdout", "text": "step 2"}]]
+        assert _tab(second, [1]) == [[{"output_type": "stream", "name": "stdout", "text": "next cell\n"}]]
+        opened_second = {c["comm_id"] for k, c in second.messages if k == "comm_open"}
+        assert {c["comm_id"] for k, c in second.messages if k == "comm_msg"} <= opened_second
+        assert not [m for m in second.messages if m[0] == "stream"]
+
+
 # -- %%ranch: the caller's text bar ---------------------------------------------------------------
 
 RANCH_BAR = """\

@@ -9,6 +9,7 @@ The packages, from the top down (each imports only from those below it; tests/te
 ==============================  ============================================================
 magics/                          %%ranch and the persistent ranks' magics (``%load_ext mpify_nb``)
 ddp.py, decorator.py, imports.py in_torchddp, @distributed, import_star
+debugger/                        the frontend's debugger panel across a Session's ranks (kernel side)
 launcher/, session/              ranch(): one call on short-lived ranks; Session: persistent ranks
 engine/                          the one owner of live ranks under both, and the caller's half of
                                  each capability (stdin prompts, widget comms, the stop button)
@@ -37,6 +38,7 @@ from .start.template import set_preload
 from .torchdist import compat as _compat
 from .wire import errors
 from .wire.errors import PayloadError, RankError, RankExitedError, RankRaisedError
+from .wire.modules import set_rank_imports
 
 __version__ = "0.1.0"
 
@@ -61,6 +63,7 @@ __all__ = [
     "get_placement",
     "placement",
     "set_preload",
+    "set_rank_imports",
 ]
 
 
@@ -96,6 +99,10 @@ if os.environ.get("MPIFY_NB_CHILD") != "1":
     from .engine.interrupts import install as _install_sigint
 
     _install_sigint()  # the stop button reaches calls on other threads too (engine/interrupts.py)
+    if "ipykernel" in sys.modules:  # in a Jupyter kernel: its debugger panel reaches persistent ranks too
+        from .debugger.kernel import install as _install_debugger
+
+        _install_debugger()
 
 # Start the template now, in the background, so the first call does not pay for
 # importing torch. Not in our own children (ranks and the template itself).

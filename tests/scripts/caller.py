@@ -10,6 +10,7 @@ On KeyboardInterrupt it prints a marker, makes a second (successful) call and
 exits 0. The start method comes from MPIFY_NB_START_METHOD.
 """
 
+import signal
 import sys
 import time
 
@@ -17,6 +18,9 @@ import helpers_ranks
 import mpify_nb
 from mpify_nb.start import template
 
+# A kernel runs its cells with this handler; a test run started with SIGINT ignored (nohup,
+# some CI runners) passes that on to us, and mpify_nb keeps a process's SIG_IGN.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 mode, directory = sys.argv[1], sys.argv[2]
 if mpify_nb.get_start_method() == "template":
     client = template.get_template()

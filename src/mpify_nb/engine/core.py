@@ -29,13 +29,18 @@ registers (:meth:`Engine.on`) and in its ``on_death``/``on_wake``::
     |   stdout/stderr     -> relay.pump       <── print(...) (ranch: the relay's own thread)
     |   pidfd             -> on_death(m)      <── it died (signal, segfault, OOM, its node)
     |   wake pipe         -> prompt answers (ANSWER to the rank); on_wake(bytes): SIGINT
-    | ASK: prompts.Prompter asks the user; time_left() does not count that wait      |
+    | ASK: prompts.Prompter asks the user; time_left() does not count that wait,     |
+    |   nor the time a rank is paused at a debugger's breakpoint (pause/unpause)      |
     | bury(m): kill, wait, end what it left; close its fds                           |
     +--------------------------------------------------------------------------------+
 
 A capability (widgets' comms, say) claims frame kinds (protocol.claim), registers its handlers
 on every engine (add_capability) and on every rank's control thread (rank/control.py: on), and
 sends from a rank with rank/control.py's to_caller: written once, for every rank of both uses.
+A capability that must hear ranks between calls too (the debugger: a frontend asks while no cell
+runs) reads their control channels from its own thread with pump_idle(), which yields to the
+owner's loop (loop_lock); it may act before each call (before_call) and when a rank is gone
+(when_gone).
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ class Member:
         self.out_fds = out_fds  # its stdout/stderr read ends, when the engine pumps them
         self.channel_open = True
         self.buried = False  # its process is gone and its fds are closed
+        self.gone_told = False  # the capabilities heard that it is gone (Engine.gone)
 
     @property
     def pid(self) -> int:
@@ -112,10 +118,20 @@ class Engine:
     in :meth:`pump` (a Session: written on the call's thread), else on the relay's own
     thread (ranch: the caller's own rank runs while ranks print)."""
 
-    def __init__(self, relay: OutputRelay, pump_output: bool):
+    def __init__(self, relay: OutputRelay, pump_output: bool, persistent: bool = False):
         self.members: dict[int, Any] = {}
         self.relay = relay
         self.pump_output = pump_output
+        self.persistent = persistent  # a Session's: its ranks live across calls
+        #: Held by the thread that runs this engine's loop for its owner (a Session's call, with
+        #: the lock re-entered there); pump_idle() takes it only when nobody holds it.
+        self.loop_lock = threading.RLock()
+        self._call_hooks: list[Callable[[Engine, list], None]] = []
+        self._gone_hooks: list[Callable[[Engine, Any], None]] = []
+        self._pause_lock = threading.Lock()
+        self._paused: set[int] = set()  # ranks held at a debugger's breakpoint now
+        self._paused_since: Optional[float] = None
+        self._paused_total = 0.0  # this call's seconds with some rank paused
         self.handlers: dict[bytes, Handler] = {ASK: self._on_ask}
         self.on_death: Callable[[Any], None] = lambda m: None  # the rank's pidfd or channel says it ended
         self.on_wake: Callable[[bytes], None] = lambda data: None  # bytes written to the wake pipe
@@ -132,6 +148,32 @@ class Engine:
         if kind in self.handlers and self.handlers[kind] != handler:
             raise ValueError(f"frames of kind {kind!r} have a handler already")
         self.handlers[kind] = handler
+
+    def before_call(self, hook: Callable[[Engine, list], None]) -> None:
+        """Run ``hook(engine, members)`` on the owner's thread before each call's requests go
+        to ``members`` (the loop is the caller's then: the hook may pump_idle() for answers)."""
+        self._call_hooks.append(hook)
+
+    def when_gone(self, hook: Callable[[Engine, Any], None]) -> None:
+        """Run ``hook(engine, member)`` once when a rank has died or been buried."""
+        self._gone_hooks.append(hook)
+
+    def starting_call(self, members: Sequence[Member]) -> None:
+        """The owner starts a call on ``members``: nothing is paused yet; the hooks run."""
+        with self._pause_lock:
+            self._paused.clear()
+            self._paused_since, self._paused_total = None, 0.0
+        for hook in list(self._call_hooks):
+            hook(self, list(members))
+
+    def gone(self, m: Member) -> None:
+        """``m`` has died (or is being buried): tell the capabilities, once."""
+        if m.gone_told:
+            return
+        m.gone_told = True
+        self.unpause(m.rank)
+        for hook in list(self._gone_hooks):
+            hook(self, m)
 
     # -- starting ----------------------------------------------------------------------------
 
@@ -193,12 +235,14 @@ class Engine:
         except OSError:
             return False
 
-    def send_control(self, m: Member, kind: bytes, req: int, body: bytes = b"") -> None:
-        """A frame for ``m``'s control thread (on its channel when it has no control channel)."""
+    def send_control(self, m: Member, kind: bytes, req: int, body: bytes = b"") -> bool:
+        """A frame for ``m``'s control thread (on its channel when it has no control channel);
+        False when it is gone."""
         try:
             framing.send(m.control if m.control is not None else m.channel, pack(kind, req, body))
+            return True
         except OSError:
-            pass
+            return False
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -227,6 +271,38 @@ class Engine:
                 for reply, answer in self.prompter.take_answers() if self.prompter is not None else ():
                     reply(answer)
                 self.on_wake(data)
+
+    def pump_idle(self, wait: float) -> bool:
+        """From a capability's own thread: when nobody runs this engine's loop, handle what the
+        ranks sent on their control channels, and their deaths, within ``wait`` seconds. False
+        at once when the loop is someone else's now (their pump handles those frames)."""
+        if not self.loop_lock.acquire(blocking=False):
+            return False
+        try:
+            if self.closed:
+                return True
+            by_fd: dict[int, tuple[str, Any]] = {}
+            for m in list(self.members.values()):
+                if m.buried or m.gone_told:  # a dead rank's channels say nothing more
+                    continue
+                if m.control is not None and m.control.fileno() >= 0:
+                    by_fd[m.control.fileno()] = ("control", m)
+                if m.process.death_fd is not None:
+                    by_fd[m.process.death_fd] = ("death", m)
+            if not by_fd:
+                time.sleep(wait)
+                return True
+            for fd in select.select(list(by_fd), [], [], wait)[0]:
+                what, m = by_fd[fd]
+                if m.buried:
+                    continue
+                if what == "control":
+                    self._on_frame(m, m.control)
+                else:
+                    self.on_death(m)
+            return True
+        finally:
+            self.loop_lock.release()
 
     def _on_frame(self, m: Member, sock: socket.socket, kinds: Optional[tuple[bytes, ...]] = None,
                   on_end: bool = True) -> None:
@@ -330,12 +406,47 @@ class Engine:
             reply(answer)
 
     def time_left(self, deadline: Optional[float]) -> Optional[float]:
-        """Seconds until ``deadline``, time spent waiting for the user (a pdb prompt) not
-        counted; None without a deadline, or while a rank waits for the user."""
+        """Seconds until ``deadline``, time spent waiting for the user (a pdb prompt, a rank held
+        at a breakpoint) not counted; None without a deadline, or while a rank waits for the user."""
         prompter = self.prompter
-        if deadline is None or prompter is not None and prompter.waiting:
+        if deadline is None or self.waiting_for_user():
             return None
-        return deadline + (prompter.waited() if prompter is not None else 0.0) - time.monotonic()
+        waited = (prompter.waited() if prompter is not None else 0.0) + self.paused_for()
+        return deadline + waited - time.monotonic()
+
+    def waiting_for_user(self, rank: Optional[int] = None) -> bool:
+        """Does ``rank`` (None: any rank) wait for the user now: at an input prompt (text pdb,
+        input()) or held at a breakpoint of the frontend's debugger? Its peers waiting for it
+        in a collective are no mistake then, and the call's time does not run."""
+        prompter = self.prompter
+        if prompter is not None and prompter.waiting and (rank is None or rank in prompter.asking()):
+            return True
+        with self._pause_lock:
+            return bool(self._paused) if rank is None else rank in self._paused
+
+    # -- a rank held at a breakpoint ---------------------------------------------------------
+
+    def pause(self, rank: int) -> None:
+        """Rank ``rank`` stopped at a breakpoint: it waits for the user (time_left)."""
+        with self._pause_lock:
+            if not self._paused:
+                self._paused_since = time.monotonic()
+            self._paused.add(rank)
+
+    def unpause(self, rank: int) -> None:
+        with self._pause_lock:
+            if rank not in self._paused:
+                return
+            self._paused.discard(rank)
+            if not self._paused and self._paused_since is not None:
+                self._paused_total += time.monotonic() - self._paused_since
+                self._paused_since = None
+
+    def paused_for(self) -> float:
+        """Seconds of this call during which some rank was paused at a breakpoint."""
+        with self._pause_lock:
+            since = self._paused_since
+            return self._paused_total + (time.monotonic() - since if since is not None else 0.0)
 
     # -- ending ------------------------------------------------------------------------------
 
@@ -348,6 +459,7 @@ class Engine:
         if m.buried:
             return
         m.buried = True
+        self.gone(m)
         m.process.kill()
         if m.process.exit_code(timeout=5.0) is None:
             m.process.wait_gone(5.0)  # e.g. its template died with it: no exit code
@@ -394,12 +506,15 @@ class Engine:
 
 def take_sigint(on_sigint: Callable[[], None], call: interrupts.Interruptible) -> Callable[[], None]:
     """While a call waits: SIGINT (the stop button) calls ``on_sigint`` (a flag and a wake,
-    never raising anywhere, so it never cuts a message in half). On another thread, the main
-    thread's handler reaches ``call`` through engine/interrupts.py. Returns what puts it back."""
+    never raising anywhere, so it never cuts a message in half), unless the process ignores it.
+    On another thread, the main thread's handler reaches ``call`` through engine/interrupts.py.
+    Returns what puts it back."""
     if threading.current_thread() is not threading.main_thread():
         interrupts.install()
         interrupts.register(call)
         return lambda: interrupts.unregister(call)
+    if interrupts.process_ignores_sigint():
+        return lambda: None  # the process ignores SIGINT (nohup, a CI runner): it keeps ignoring it
     try:
         old = signal.signal(signal.SIGINT, lambda signum, frame: on_sigint())
     except ValueError:

@@ -18,6 +18,11 @@ while a cell runs), so we also chain in front of that one: the stop button then
 stops a background call while the notebook is idle, and a cell's own
 KeyboardInterrupt is unchanged.
 
+A process that ignores SIGINT (started with it ignored: ``nohup``, ``cmd &`` in a script, some
+CI runners) keeps ignoring it: nothing is chained in front of its ``SIG_IGN``, so the user's
+SIGINT stops no call (ipykernel's idle ``SIG_IGN`` is the kernel's, not the process's, and
+is chained as above).
+
 A call running on the main thread takes SIGINT itself while it runs (own_rank's
 ``_take_sigint``, engine's ``take_sigint``) and calls ``interrupt_other_threads()`` from there, so one
 press stops every call.
@@ -63,6 +68,8 @@ def install() -> None:
     does nothing elsewhere or when already installed."""
     if threading.current_thread() is not threading.main_thread():
         return
+    if process_ignores_sigint():
+        return  # its choice: keep it
     try:
         current = signal.getsignal(signal.SIGINT)
         if not isinstance(current, _ChainedHandler) and current is not None:
@@ -74,6 +81,11 @@ def install() -> None:
     if saved is not None and not isinstance(saved, _ChainedHandler):
         # The handler the kernel puts back when this cell ends (SIG_IGN: idle).
         kernel.saved_sigint_handler = _ChainedHandler(saved)  # type: ignore[union-attr]
+
+
+def process_ignores_sigint() -> bool:
+    """This process ignores SIGINT (``SIG_IGN``, and not as a Jupyter kernel does while idle)."""
+    return signal.getsignal(signal.SIGINT) is signal.SIG_IGN and _running_ipykernel() is None
 
 
 def _running_ipykernel() -> Any:

@@ -142,6 +142,11 @@ class Prompter:
         with self._lock:
             return self._since is not None
 
+    def asking(self) -> set[int]:
+        """The ranks that wait for the user's answer now."""
+        with self._lock:
+            return {rank for rank, _prompt, _reply in self._asks}
+
     def waited(self) -> float:
         """Seconds ranks have waited for the user during this call."""
         with self._lock:

@@ -233,7 +233,7 @@ class _Call:
         self.interrupted = False  # the user pressed stop (SIGINT)
         self.aborting = False  # we are stopping the ranks: their deaths are no news
         self.finished = False  # the caller's own rank is done; the watch may end
-        self.own = own_rank.OwnRank(self.cond)
+        self.own = own_rank.OwnRank()
         self.engine = core.Engine(OutputRelay(sys.stdout, sys.stderr), pump_output=False)
         self.engine.open_prompts()  # ranks' reads of stdin, asked of the user (on this thread)
         self.engine.on(READY, self._on_ready)
@@ -269,6 +269,8 @@ class _Call:
         if self.caller_rank is not None:
             own_rank.caller_rank_owner = threading.current_thread().name
         state = own_rank.CallerState.snapshot(self.caller_rank is not None)
+        if state.environ is not None:
+            template.set_caller_environ(state.environ)  # os.environ is rank 0's until restore()
         relay = self.engine.relay
         values: list = [None] * self.nprocs
         watcher: Optional[threading.Thread] = None
@@ -315,6 +317,8 @@ class _Call:
             with self.cond:
                 self.engine.close()
             state.restore()
+            if state.environ is not None:
+                template.set_caller_environ(None)
             state.disarm_ended_ddp(values)
             _learn_imports(bool(self.ranks), self.imported)
 
@@ -333,10 +337,15 @@ class _Call:
             except TimeoutError as e:
                 raise TimeoutError(f"ranch: the call did not finish within {self.timeout:g} s: {e}") from None
         # The setup and the call right after the fork: a rank loads while the next one is born.
-        call = pack(CALL, _REQUEST, packed.data)
+        # Ahead of the call, the modules it must import first that its template does not hold.
+        calls: dict[Optional[frozenset], bytes] = {}
         for r, handle in self.ranks.items():
             rank_env = dict(base, **layout.env_of(r))
             setup = pickle.dumps(dict(common, rank=r, env=rank_env))
+            held = getattr(handle.process, "modules_held", None)
+            call = calls.get(held)
+            if call is None:
+                call = calls[held] = pack(CALL, _REQUEST, packed.body(held))
             try:
                 framing.send(handle.channel, setup)
                 framing.send(handle.channel, call, packed.fds)
@@ -381,7 +390,9 @@ class _Call:
 
     def _on_wake(self, data: bytes) -> None:
         for signum in data:
-            if signum == signal.SIGINT and not self.own.is_our_signal():
+            # A SIGINT after a failure is ours (the stop of the caller's rank), or comes too late to
+            # change what the call raises; a process that ignores SIGINT keeps ignoring the user's.
+            if signum == signal.SIGINT and self.failure is None and not self.own.ignores_user_sigint:
                 # The user interrupted: stop every rank so the main thread can return.
                 with self.cond:
                     self.interrupted = True
@@ -472,7 +483,7 @@ class _Call:
         assert rank is not None
         with self.own.running(env, self.engine.wake_w):
             try:
-                with self.own.user_code():
+                with self.own.user_code(sys._getframe()):
                     if self.imports:
                         # As on every other rank, in __main__: the notebook keeps these names (as with mpify).
                         exec(compile(self.imports, "<imports>", "exec"), sys.modules["__main__"].__dict__)

@@ -2,9 +2,13 @@
 the engine's loop, and what it changes in this process (put back after the call).
 
 The loop (on another thread, or the caller's own between its steps) stops this rank when
-another rank failed first: with SIGINT to the main thread, through a handler that turns it
-into :class:`Aborted` inside the user's code only, or an asynchronous exception into the
-calling thread when that is not the main one. The stop button reaches it the same ways.
+another rank failed first: with :class:`Aborted` raised into the user's code only, and there
+only at a safe point, never inside an import (launcher/stopping.py): with SIGINT to the main
+thread, through a handler that raises it, or an asynchronous exception into the calling thread
+when that is not the main one. The stop button reaches a rank on another thread the same way.
+
+A process that ignores SIGINT (``nohup``, ``&`` in a script, some CI runners) keeps ignoring the
+user's: a call never turns it into KeyboardInterrupt.
 """
 
 from __future__ import annotations
@@ -16,10 +20,12 @@ import sys
 import threading
 import weakref
 from collections.abc import Iterator
-from typing import Callable, Optional
+from types import FrameType
+from typing import Any, Callable, Optional
 
 from ..engine import interrupts
 from ..torchdist import compat, groups, libraries
+from .stopping import SafeStop, set_async_exception
 
 
 class Aborted(BaseException):
@@ -31,24 +37,16 @@ caller_rank_lock = threading.Lock()
 caller_rank_owner = ""
 
 
-def set_async_exception(thread_id: int, exc_type: Optional[type]) -> None:
-    """Raise ``exc_type`` in another thread at its next bytecode (None: cancel a pending one)."""
-    import ctypes
-
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(
-        ctypes.c_ulong(thread_id), ctypes.py_object(exc_type) if exc_type else ctypes.c_void_p(None))
-
-
 #: Own ranks whose SIGINT handler is installed, for the fork handler below.
 _taking_sigint: weakref.WeakSet[OwnRank] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
     """A fork of the caller during a call (DataLoader workers on rank 0) inherits our SIGINT
-    handler and wakeup fd, and maybe our lock held by the watch thread. The child is not
-    the caller: give it Python's defaults back, so an interrupt there is its own business."""
+    handler and wakeup fd, and maybe our locks held by the watch or stop thread. The child is
+    not the caller: give it Python's defaults back, so an interrupt there is its own business."""
     for own in list(_taking_sigint):
-        own.cond = threading.Condition()
+        own.stop.forget_in_child()
         try:
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -63,14 +61,16 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 class OwnRank:
     """The caller's rank of one call, run on the calling thread."""
 
-    def __init__(self, cond: threading.Condition) -> None:
-        self.cond = cond  # the call's: guards in_user_code
-        self.in_user_code = False
-        self.signals_sent = 0  # SIGINTs we sent ourselves to the main thread
-        self.abort_signal_pending = False
-        self.main_thread: int = threading.main_thread().ident or 0
+    def __init__(self) -> None:
         self.on_main_thread = threading.current_thread() is threading.main_thread()
         self.thread_id = threading.get_ident()
+        self.stop = SafeStop(self.thread_id, self.on_main_thread)
+        #: the process ignored SIGINT before the call (nohup, a CI runner): the user's stays ignored
+        self.ignores_user_sigint = self.on_main_thread and interrupts.process_ignores_sigint()
+
+    @property
+    def in_user_code(self) -> bool:
+        return self.stop.inside
 
     @contextlib.contextmanager
     def running(self, env: dict, wake_fd: int) -> Iterator[None]:
@@ -79,69 +79,50 @@ class OwnRank:
         os.environ.update(env)
         libraries.apply_thread_env(env)  # a torchrun rank starts with these threads
         restore_signals = self._take_sigint(wake_fd) if self.on_main_thread else None
+        restore_hook = self.stop.watch_unraisable()
         try:
             yield
         finally:
+            restore_hook()
             if restore_signals is not None:
                 restore_signals()
             if not self.on_main_thread:
                 set_async_exception(self.thread_id, None)  # one that came too late to matter
 
     @contextlib.contextmanager
-    def user_code(self) -> Iterator[None]:
-        """While the user's code runs: the only time an abort may be raised into it."""
-        with self.cond:
-            self.in_user_code = True
+    def user_code(self, base: FrameType) -> Iterator[None]:
+        """While the user's code runs (under frame ``base``): the only time a stop may be raised
+        into it, at a safe point of its own."""
+        self.stop.enter(base)
         try:
             yield
         finally:
-            with self.cond:
-                self.in_user_code = False
+            self.stop.leave()
 
     def abort(self) -> None:
         """Make the thread running the caller's rank stop and report (another rank failed)."""
-        if not self.on_main_thread:
-            with self.cond:
-                if self.in_user_code:
-                    set_async_exception(self.thread_id, Aborted)  # at its next bytecode
-            return
-        with self.cond:
-            if not self.in_user_code:
-                return
-            self.abort_signal_pending = True
-            self.signals_sent += 1
-        signal.pthread_kill(self.main_thread, signal.SIGINT)
+        self.stop.request(Aborted)
 
     def interrupt(self) -> None:
-        """The stop button, from the main thread, for a rank running on another one (the cond held)."""
-        if self.in_user_code:
-            # KeyboardInterrupt at its next bytecode (a C call it is blocked in ends first: a
-            # collective does so as soon as the peers are killed).
-            set_async_exception(self.thread_id, KeyboardInterrupt)
-
-    def is_our_signal(self) -> bool:
-        """A SIGINT read from the wake pipe: one we sent ourselves (abort)?"""
-        if self.signals_sent:
-            self.signals_sent -= 1
-            return True
-        return False
+        """The stop button, from the main thread, for a rank running on another one: a
+        KeyboardInterrupt at its next safe point (a C call it is blocked in ends first: a
+        collective does so as soon as the peers are killed)."""
+        self.stop.request(KeyboardInterrupt)
 
     def _take_sigint(self, wake_fd: int) -> Callable[[], None]:
         """Route SIGINT through us while the caller's rank runs: the loop learns of it at
         once through the wakeup fd, even when the main thread is stuck in C++."""
 
-        def on_sigint(signum, frame):
-            with self.cond:
-                ours = self.abort_signal_pending
-                self.abort_signal_pending = False
-                inside = self.in_user_code
-            if ours:
-                if inside:
-                    raise Aborted()
-                return
+        def on_sigint(signum: int, frame: Any) -> None:
+            stop, ours = self.stop.take(frame)
+            if stop is not None:
+                raise stop()
+            if ours or self.ignores_user_sigint:
+                return  # our own (a stop on its way, or one that came late), or the process ignores it
             interrupts.interrupt_other_threads()  # one press stops every call
             raise KeyboardInterrupt
 
+        self.stop.handler = on_sigint
         old_handler = signal.signal(signal.SIGINT, on_sigint)
         old_wakeup = signal.set_wakeup_fd(wake_fd, warn_on_full_buffer=False)
         _taking_sigint.add(self)

@@ -29,11 +29,13 @@ from .ranch import _run_cell_on_rank  # noqa: F401  (where pickles of older cell
 
 def load_ipython_extension(ipython) -> None:
     """``%load_ext mpify_nb``: register every magic of the package."""
+    from ..debugger.kernel import install
     from .ranch import ranch_magics_class
     from .session import load
 
     ipython.register_magics(ranch_magics_class()(ipython))
     load(ipython)
+    install()  # the frontend's debugger panel reaches the ranks (a no-op outside a Jupyter kernel)
 
 
 def unload_ipython_extension(ipython) -> None:

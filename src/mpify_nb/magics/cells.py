@@ -18,7 +18,7 @@ import io
 import re
 import tokenize
 from collections.abc import Sequence
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 # -- which names a cell takes from the notebook ---------------------------------------------
 
@@ -388,6 +388,33 @@ def compile_cell(shell, header: str, cell: str) -> tuple[str, str, ast.Module]:
         e.filename = filename
         raise CellSyntaxError(e, shell.SyntaxTB.structured_traceback(SyntaxError, e, [])) from None
     return filename, source, module
+
+
+#: The line IPython compiles for a rank cell: the call of its magic.
+_RANK_CELL_CALL = re.compile(r"\s*get_ipython\(\)\.run_cell_magic\('(distributed|rank)',")
+
+
+def name_magic_calls_apart(shell) -> Callable[[], None]:
+    """Have IPython compile a rank cell's one line, the call of its magic, under a file name of
+    its own, not the cell's: a breakpoint the frontend sets on line 1 of a rank cell then stops
+    the ranks that run that line, never the kernel inside the magic's call. (Code the cell runs
+    in the kernel, a ``--to both`` cell's, keeps the cell's file name.) Returns what undoes it."""
+    compiler = shell.compile
+    original = compiler.get_code_name
+
+    def get_code_name(raw_code: str, transformed_code: str, number: int) -> str:
+        name = original(raw_code, transformed_code, number)
+        if not _RANK_CELL_CALL.match(transformed_code):
+            return name
+        return name[:-3] + "-magic.py" if name.endswith(".py") else name + "-magic"
+
+    compiler.get_code_name = get_code_name
+
+    def undo() -> None:
+        if compiler.__dict__.get("get_code_name") is get_code_name:
+            del compiler.get_code_name
+
+    return undo
 
 
 def has_value(module: ast.Module) -> bool:

@@ -76,7 +76,11 @@ class RankCells:
         shell = self._sh
         s = self._require("distributed" if ranks is None else "rank")
         view = self._cell_view(ranks)
-        cell_text = cell if header is None else f"{header}\n{cell}"
+        # The ranks compile the cell under the file name the frontend gives it (the hash of the text
+        # it sent), so a breakpoint set in the cell's gutter stops them at that line.
+        cell_text = self._router.raw_cell_of(cell, header)
+        if cell_text is None:
+            cell_text = cell if header is None else f"{header}\n{cell}"
         first = 1 if header is None else 2
         filename = shell.compile.cache(cell_text, cell_number(shell))
         plan = split_cell(cell, first)

@@ -13,9 +13,9 @@ request, code the magics run there themselves)::
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Optional
 
-from .auto import route
+from .auto import normalize_header, route
 
 
 class CellRouter:
@@ -29,6 +29,7 @@ class CellRouter:
         self.silent: list[bool] = []  # per running cell: silent (a frontend's own request, no pre_run_cell)
         self.local_cell = False  # the cell executing now is a %%local cell
         self.in_kernel = 0  # >0 while the magics run a cell's code in the kernel (--to both)
+        self.raw_cell: Optional[str] = None  # the frontend's text of the last cell that began
 
     def __call__(self, lines: list[str]) -> list[str]:
         try:
@@ -50,6 +51,23 @@ class CellRouter:
     def pre_run_cell(self, info: Any = None) -> None:
         if self.silent:
             self.silent[-1] = False
+        raw = getattr(info, "raw_cell", None)
+        self.raw_cell = raw if isinstance(raw, str) else None
+
+    def raw_cell_of(self, body: str, header: Optional[str]) -> Optional[str]:
+        """The frontend's own text of the rank cell running now, whose body (below ``header``,
+        its magic line, if it has one) IPython gave the magic as ``body``; None when the cell that
+        began last is another (a magic run from code). The cell's file name is the hash of that
+        text, as the frontend computes it for its debugger's breakpoints."""
+        raw = self.raw_cell
+        if raw is None:
+            return None
+        text = raw
+        if header is not None:
+            first, newline, text = raw.partition("\n")
+            if not newline or normalize_header(first).split(None, 1)[:1] != header.split(None, 1)[:1]:
+                return None
+        return raw if body in (text, text + "\n") else None  # IPython ends a cell with a newline
 
     def in_silent_cell(self) -> bool:
         """The running cell is a frontend's silent request (variable explorers, completions):

@@ -36,6 +36,7 @@ import atexit
 import functools
 from typing import Any, Callable, Optional
 
+from .cells import name_magic_calls_apart
 from .cells_and_data import cells_and_data_class
 from .lifecycle import session_lifecycle_class
 from .router import CellRouter, parse_ranks
@@ -96,9 +97,11 @@ def session_magics_class() -> type:
             shell.events.register("pre_execute", self._router.pre_execute)
             shell.events.register("pre_run_cell", self._router.pre_run_cell)
             shell.events.register("post_execute", self._router.post_execute)
+            self._undo_names = name_magic_calls_apart(shell)  # line 1 of a rank cell: the ranks', not the magic's
             atexit.register(self._forget)
 
         def _router_remove(self) -> None:
+            self._undo_names()
             if self._router in self._sh.input_transformers_cleanup:
                 self._sh.input_transformers_cleanup.remove(self._router)
             for event, fn in (("pre_execute", self._router.pre_execute),

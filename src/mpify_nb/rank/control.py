@@ -4,7 +4,8 @@ Every rank has one (a ``ranch`` rank from the moment it runs its call, on its ch
 Session's rank from birth, on its control channel)::
 
     caller ── ANSWER (token, line) ──> deliver to the user's input() / pdb (rank/stdin.py)
-           ── INTERRUPT req ─────────> SIGINT to the main thread, only while it runs req
+           ── INTERRUPT req ─────────> SIGINT to the main thread, only while it runs req (a
+                                       thread the debugger holds at a breakpoint is let go first)
            ── <kind> req body ───────> the handler registered for <kind> (on()): a Session's
                                        PEEK / ABORT_GROUP, a capability's frames (which
                                        answers, from any thread, with to_caller())
@@ -72,6 +73,18 @@ def on(kind: bytes, handler: Handler) -> None:
     _handlers[kind] = handler
 
 
+#: Run on the control thread just before an interrupt is sent to the main thread.
+_before_interrupt: list[Callable[[], None]] = []
+
+
+def before_interrupt(hook: Callable[[], None]) -> None:
+    """Run ``hook()`` before each interrupt reaches the main thread (the debugger lets go of a
+    thread it holds at a breakpoint: an interrupt landing inside the debugger would leave it
+    believing the thread still stopped)."""
+    if hook not in _before_interrupt:
+        _before_interrupt.append(hook)
+
+
 def send(channel: socket.socket, data: bytes, fds=()) -> None:
     try:
         framing.send(channel, data, fds)  # whole, whichever thread sends (a display, an ASK for input)
@@ -107,8 +120,13 @@ def start(control: socket.socket, state: RankState) -> None:
 
 
 def _interrupt(state: RankState, control: socket.socket, req_id: int, body: Any) -> None:
-    with state.lock:
+    with state.lock:  # the main thread cannot end the request meanwhile (begin() waits)
         if state.request == req_id:
+            for hook in list(_before_interrupt):
+                try:
+                    hook()
+                except Exception:
+                    pass  # the interrupt itself matters more
             signal.pthread_kill(state.main_ident, signal.SIGINT)
 
 

@@ -16,6 +16,7 @@ socketpair. It then never exits on its own::
                  ── WATCH req ─────────────────────────> read torch's recorder too, while req runs
                  <── COLLECTIVE (req, waits) ──────────  what the main thread waits on (torchdist/waits.py)
                  ── PEEK req / <── ISSUED ─────────────  this rank's count of each group's collectives
+                 ── DEBUG / <── DEBUG ─────────────────  the frontend's debugger (rank/debugger.py)
                   (control channel closes) ───────────> the caller is gone: kill self
 
 The main thread starts the process group (a TCPStore whose listening socket the caller
@@ -66,6 +67,7 @@ from ..wire.protocol import (
 )
 from . import comms, group, process
 from . import control as rank_control
+from . import debugger as rank_debugger
 from . import display as rank_display
 from .control import RankState
 
@@ -154,6 +156,7 @@ def free_replaced() -> None:
 
 def _handle(kind: bytes, req_id: int, body, fds: list[int], namespace: dict,
             state: RankState) -> tuple[bytes, list[int]]:
+    rank_debugger.arm()  # the frontend's breakpoints stop here while its debugger is on
     try:
         if kind == RUN:
             source, filename, want_value = pickle.loads(body)
@@ -164,7 +167,7 @@ def _handle(kind: bytes, req_id: int, body, fds: list[int], namespace: dict,
             payload.lend_names(fn, namespace)
             value = _in_user_code(state, fn, *args, **kwargs)
         elif kind == PUSH:
-            values = payload.loads(body, fds, private=True)
+            values = payload.unpack_values(body, fds)
             fds = []
             # What the push replaces is freed after the answer (unmapping 64 MB takes ~10 ms).
             _replaced.extend(namespace[k] for k in values if k in namespace)

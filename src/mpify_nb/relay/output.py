@@ -268,14 +268,23 @@ class RankOutput:
     # -- the end of a call, a prompt ------------------------------------------------------
 
     def _flush_partial(self, fd: int, where: tuple[int, int]) -> None:
-        """The call is over: ``fd``'s partial line, whole characters, goes out as it is."""
+        """The call is over: what ``fd`` left unfinished is finished in this cell. A bar (a
+        ``\r`` line left open: fastai's console bar) stays at its state now, and the next cell's
+        redraws start a bar of their own there: its display belongs to this cell, and an update
+        of it would change this cell's output, not show in the next. A partial line, whole
+        characters, goes out as it is (a cell's last ``end=''`` is kept)."""
         rest = whole_characters(self._pending.get(fd, b""))
         self._pending[fd] = self._pending[fd][len(rest):]
         self._partial_since.pop(fd, None)
-        if rest and self._sink is not None:
+        bar = self._bars.get(fd)
+        if bar is not None:
+            if rest.strip():
+                bar.text = rest.decode("utf-8", errors="replace")
+            self._end_bar(fd, where)
+        elif rest and self._sink is not None:
             self._to_sink(fd, where, rest)
         elif rest:
-            self._write_partial(fd, where, rest)  # as it is: a cell's last "end=''" is kept
+            self._write_partial(fd, where, rest)
         self._end_growing(fd, where)
 
     def _end_of_call(self) -> None:

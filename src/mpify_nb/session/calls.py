@@ -36,7 +36,9 @@ class SessionCalls(SessionRecovery):
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self._call_lock = threading.Lock()
+        # The engine's loop is this call's: a capability's thread (the debugger's) pumps it
+        # between calls only, through engine.pump_idle().
+        self._call_lock = self._engine.loop_lock
         self._flag_lock = threading.Lock()
         self.timeout: Optional[float] = None  # the default time limit of a call
         #: the error the last failed call raised (debug() starts at its root-cause rank)
@@ -82,6 +84,7 @@ class SessionCalls(SessionRecovery):
             self._engine.relay.retarget(sys.stdout, sys.stderr, getattr(display, "rank_streams", None))
             self._engine.prompter = None  # made at the first prompt: most calls have none
             try:
+                self._engine.starting_call(members)  # capabilities first (the debugger attaches new ranks)
                 for m in members:
                     self._send_request(m, kind, req, body, fds, label)
                 return self._wait(members, req, timeout)

@@ -89,7 +89,7 @@ class SessionRanks:
         self._group_broken = False
         self._display: Optional[Callable[[int, dict], None]] = None
         # Output is relayed on the call's thread, into the cell running now.
-        self._engine = core.Engine(OutputRelay(sys.stdout, sys.stderr), pump_output=True)
+        self._engine = core.Engine(OutputRelay(sys.stdout, sys.stderr), pump_output=True, persistent=True)
         self._members: dict[int, Member] = self._engine.members
         for kind, handler in ((READY, self._on_ready), (DISPLAY, self._on_display), (DONE, self._on_done),
                               (FAIL, self._on_fail), (ABORTED, self._on_aborted),
@@ -297,6 +297,7 @@ class SessionRanks:
                         "and rebuilds the group (the other ranks keep their state).")
         m.state = "dead"
         self._comms.close_rank(m.rank)  # widgets: its models close in the frontend
+        self._engine.gone(m)  # a capability's (the debugger's threads of it exit)
         m.died_during = self._current
         m.waits = []
         if m.answer is None:

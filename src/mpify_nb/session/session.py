@@ -166,6 +166,7 @@ class Session(SessionCalls):
         self.timeout = timeout
         self._gone = threading.Event()  # set when close() has ended every rank
         self._cells = itertools.count(1)
+        self._modules_sent: dict[int, frozenset[str]] = {}  # rank -> modules its apply() calls imported
         _sessions.add(self)
         interrupts.install()  # from the main thread: the stop button then reaches calls on others
         try:
@@ -219,9 +220,10 @@ class Session(SessionCalls):
         """
         if not callable(fn):
             raise TypeError(f"fn must be callable, not {type(fn).__name__}")
+        targets = self._targets(ranks)
         packed = payload.pack_call(fn, args, kwargs)  # PayloadError before anything is sent
         try:
-            return self._call(APPLY, packed.data, packed.fds, ranks, timeout, None,
+            return self._call(APPLY, self._body(packed, targets), packed.fds, ranks, timeout, None,
                               f"apply({getattr(fn, '__qualname__', repr(fn))})")
         finally:
             packed.close_later()
@@ -233,15 +235,23 @@ class Session(SessionCalls):
 
         >>> s.push(lr=0.1, batch=torch.randn(1024, 1024))
         """
+        targets = self._targets(ranks)
+        packed = payload.pack_values(variables)  # PayloadError before anything is sent
         try:
-            data, fds = payload.dumps(variables)
-        except Exception as e:
-            raise PayloadError(f"cannot send {sorted(variables)} to the ranks: {type(e).__name__}: {e}") from e
-        packed = payload.PackedCall(data, fds)
-        try:
-            self._call(PUSH, data, fds, ranks, None, None, f"push {', '.join(variables)}")
+            self._call(PUSH, self._body(packed, targets), packed.fds, ranks, None, None,
+                       f"push {', '.join(variables)}")
         finally:
             packed.close_later()
+
+    def _body(self, packed: payload.PackedCall, targets: list[int]) -> bytes:
+        """What to send: ahead of the pickle, the modules the notebook imported that were not sent
+        to these ranks yet (wire/modules.py); once sent, a rank has imported them (or failed to,
+        the same way next time)."""
+        held = frozenset.intersection(*(self._modules_sent.get(r, frozenset()) for r in targets))
+        body = packed.body(held)
+        for r in targets:
+            self._modules_sent[r] = self._modules_sent.get(r, frozenset()) | frozenset(packed.modules)
+        return body
 
     def pull(self, name: str, rank: Optional[int] = 0) -> Any:
         """The value of ``name`` on ``rank``; ``rank=None``: a list of every rank's, by rank.
@@ -339,6 +349,7 @@ class Session(SessionCalls):
             try:
                 for r in targets:
                     self._bury(self._members[r])  # stays a member, dead, until its successor exists
+                    self._modules_sent.pop(r, None)
                 self._start(targets)
             finally:
                 restore()

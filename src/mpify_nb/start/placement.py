@@ -416,6 +416,8 @@ class _ForkedRank(_Pidfd):
         super().__init__(pid)
         self._client = client
         self._code: Optional[int] = None
+        #: the modules it was born holding (its template's): a call need not ask it to import them
+        self.modules_held: Optional[frozenset[str]] = client.modules
 
     def exit_code(self, timeout: float) -> Optional[int]:
         if self._code is None:
@@ -425,7 +427,8 @@ class _ForkedRank(_Pidfd):
     def death_detail(self) -> str:
         if self._client.alive():
             return ""
-        return f"the template process it was forked from (pid {self._client.pid}) died, and its ranks with it"
+        return (f"the template process it was forked from (pid {self._client.pid}) died "
+                f"({self._client.how_it_ended()}), and its ranks with it")
 
 
 class TemplatePlacer(_OnThisMachine):
@@ -437,23 +440,34 @@ class TemplatePlacer(_OnThisMachine):
         fds = [channel_fd, stdout_fd, stderr_fd]
         limit = _TEMPLATE_PATIENCE if timeout is None else timeout
         try:
-            try:
-                pid = self._client.fork(fds, limit)
-            except template.TemplateUnresponsive:
-                raise
-            except template.TemplateDied:
-                # Died since we last used it (killed, OOM): one fresh template, then give up.
-                self._client = template.get_template()
-                pid = self._client.fork(fds, limit)
+            pid = self._fork(fds, limit)
         except template.TemplateUnresponsive as e:
             if timeout is None:
                 raise
             raise TimeoutError(f"rank {rank} could not be started within the call's timeout: {e}") from None
         return _ForkedRank(self._client, pid)
 
+    def _fork(self, fds: list[int], limit: float) -> int:
+        died = False
+        for _ in range(_RETIRED_TRIES):
+            try:
+                return self._client.fork(fds, limit)
+            except template.TemplateUnresponsive:
+                raise
+            except template.TemplateRetired:
+                pass  # replaced since this call began (a preloaded one is in): the current one forks it
+            except template.TemplateDied:
+                if died:
+                    raise
+                died = True  # died since we last used it (killed, OOM): one fresh template, then give up
+            self._client = template.get_template()
+        return self._client.fork(fds, limit)
+
 
 #: Seconds a call without a timeout waits for the template to start (it imports torch) and fork.
 _TEMPLATE_PATIENCE = 120.0
+#: Templates a call asks for one rank when each retires (is replaced) under it.
+_RETIRED_TRIES = 3
 
 
 class _SpawnedRank(_Pidfd):

@@ -22,9 +22,10 @@ The current call never waits for it. Only modules installed under a ``site-packa
 module from the notebook's working directory (the user edits those; a rank must import
 their current version). Names given with ``set_preload`` (start/template.py) are preloaded too.
 
-Only what the ranks imported, never what only the notebook imported: a module's import runs
-its side effects (a log line, a helper process, a file written) once more, in the template,
-and that is harmless only for a module every rank imports anyway.
+Only what the ranks imported: a module's import runs its side effects (a log line, a helper
+process, a file written) once more, in the template, and that is harmless only for a module
+every rank imports anyway. Ranks import what the notebook imported before they load a call
+(wire/modules.py), so that is what the template comes to hold; it only makes calls faster.
 
 Turn it off with ``set_preload(False)`` or ``MPIFY_NB_PRELOAD=0``; name modules with
 ``set_preload(["transformers.trainer"])`` or ``MPIFY_NB_PRELOAD=transformers.trainer,lightning``.
@@ -33,12 +34,11 @@ Turn it off with ``set_preload(False)`` or ``MPIFY_NB_PRELOAD=0``; name modules 
 from __future__ import annotations
 
 import os
-import site
-import sys
-import sysconfig
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Optional, Union
+
+from ..wire.modules import Roots, inside, site_paths  # noqa: F401  (site_paths: template.py asks us)
 
 _lock = threading.Lock()
 _enabled = True
@@ -89,7 +89,7 @@ def mark_failed(name: str, why: str) -> None:
 
 def learn(modules: Iterable[tuple[str, Optional[str]]], cwd: Optional[str] = None) -> None:
     """Remember the modules a rank imported during a call ((name, file) pairs, in import order)."""
-    roots = _Roots(cwd)
+    roots = Roots(cwd)
     with _lock:
         for name, file in modules:
             if name not in _learned and _wanted_name(name) and roots.installed(file):
@@ -105,62 +105,13 @@ def wanted(cwd: Optional[str] = None) -> list[str]:
         named = list(_named)
         failed_now = set(_failed)
     names = dict.fromkeys(named + learned)
-    return [n for n in names if n not in failed_now]
-
-
-def site_paths() -> list[str]:
-    """The caller's site-packages directories, for a template started with another sys.path."""
-    return [p for p in sys.path if os.path.basename(p.rstrip(os.sep)) in ("site-packages", "dist-packages")]
+    # Nor the submodules of a package left out: importing one imports the package again, and each
+    # would cost a whole new candidate template to find out (ranks import all the notebook's modules).
+    return [n for n in names if not inside(n, failed_now)]
 
 
 def _wanted_name(name: str) -> bool:
     return name not in ("__main__", "__mp_main__") and not name.endswith(".__main__")
-
-
-class _Roots:
-    """Where installed modules live: site-packages/dist-packages directories and the standard library."""
-
-    def __init__(self, cwd: Optional[str]) -> None:
-        if cwd is None:
-            try:
-                cwd = os.getcwd()
-            except OSError:
-                cwd = None
-        self.cwd = _real_dir(cwd) if cwd else None
-        sites = set(site_paths())
-        try:
-            sites.update(site.getsitepackages())
-            sites.add(site.getusersitepackages())
-        except AttributeError:  # an old virtualenv's site module
-            pass
-        self.sites = tuple(_real_dir(p) for p in sites if p)
-        paths = sysconfig.get_paths()
-        self.stdlib = tuple(_real_dir(paths[k]) for k in ("stdlib", "platstdlib") if paths.get(k))
-
-    def installed(self, file: Optional[str]) -> bool:
-        if not file:
-            return False  # builtin, frozen or namespace package: nothing to gain
-        key = (file, self.cwd)
-        verdict = _verdicts.get(key)
-        if verdict is None:
-            verdict = _verdicts[key] = self._installed(file)
-        return verdict
-
-    def _installed(self, file: str) -> bool:
-        path = os.path.realpath(file)
-        if any(path.startswith(root) for root in self.sites):
-            return True
-        if self.cwd is not None and path.startswith(self.cwd):
-            return False  # the notebook's own code, even where the standard library lives
-        return any(path.startswith(root) for root in self.stdlib)
-
-
-#: (file, cwd) -> installed? realpath() of thousands of files costs ~0.4 s; files don't move.
-_verdicts: dict[tuple[str, Optional[str]], bool] = {}
-
-
-def _real_dir(path: str) -> str:
-    return os.path.join(os.path.realpath(path), "")
 
 
 def _from_environment() -> None:

@@ -35,6 +35,20 @@ all of them; the current one keeps serving meanwhile::
                                         (ends once its last rank has exited)
                     candidate rejected (CUDA, thread, process) or died -> the module is
                                         remembered as failed; refresh() again
+
+Retiring is race-free: a template counts a rank from the moment a FORK is asked of it, not
+from its FORKED answer, so one that retires while it forks a rank lives on for that rank; and
+a retiring template forks nothing more (``TemplateRetired``: the placer asks the current one).
+
+No call waits for a preload: a call that must start a template (none yet, it died, or a
+variable read at import time changed) stops the candidate being preloaded (it would take half
+the machine from the start the call waits for; it is started again after the call), and no
+candidate starts while the current template is still starting.
+
+The template is made, and judged, with the notebook's own environment: while a call plays a
+rank in this process, ``os.environ`` holds that rank's variables (``OMP_NUM_THREADS=1``,
+``RANK``...), and a template made from them would be replaced at the next call
+(``set_caller_environ``).
 """
 
 from __future__ import annotations
@@ -71,6 +85,10 @@ class TemplateUnresponsive(TemplateDied):
     """The template did not answer in time: still starting, starved, or stopped (then replaced)."""
 
 
+class TemplateRetired(TemplateDied):
+    """The template is retiring (replaced): it forks no more ranks; ask the current one."""
+
+
 class TemplateClient:
     """Starts a template process and asks it for ranks. Thread-safe."""
 
@@ -101,8 +119,13 @@ class TemplateClient:
         self.rejected: Optional[tuple[str, str]] = None  # (module, why) that made it unusable
         self.trying: Optional[str] = None  # the module it was importing last
         self._live: set[int] = set()  # ranks forked and not yet exited
+        self._in_flight: set[int] = set()  # FORK requests not answered yet: ranks about to live
+        self._closed_why = ""  # why this process closed it ("" while it has not)
+        self._closing = False  # a thread is closing it
         self._held: set[str] = set()  # modules it was found to hold besides those it preloaded
         self._has: dict[int, list[str]] = {}
+        #: every module it holds (its sys.modules once ready): what a rank forked from it need not import
+        self.modules: Optional[frozenset[str]] = None
         self._retiring = False
         try:
             framing.send(self._control, pickle.dumps(("preload", self.preload, list(paths))))
@@ -137,18 +160,44 @@ class TemplateClient:
         self._held.update(found)
         return [n for n in names if n not in self._held]
 
-    def live_ranks(self) -> list[int]:
-        """The pids of the ranks it forked that have not exited."""
+    def live_count(self) -> int:
+        """Its ranks that live, or are being forked."""
         with self._cond:
-            return sorted(self._live)
+            return len(self._live) + len(self._in_flight)
 
-    def retire(self) -> None:
-        """Stop it once the ranks it forked are gone (they die with it): now if there are none."""
+    @property
+    def retiring(self) -> bool:
+        return self._retiring
+
+    def retire(self, wait: bool = True) -> bool:
+        """Fork nothing more, and stop once the ranks it forked, or is forking, are gone (they die
+        with it). True when it had none: it is stopped now (``wait=False``: in the background)."""
         with self._cond:
             self._retiring = True
-            idle = not self._live
-        if idle:
-            self.close()
+            idle = not self._live and not self._in_flight
+        if idle and wait:
+            self.close("retired")
+        elif idle:
+            self._close_later("retired")
+        return idle
+
+    def abandon(self, why: str) -> None:
+        """Kill it now and let go of it in the background: a candidate that can no longer serve
+        (it holds no ranks), which may be in the middle of a long import and would not notice a
+        closed socket before its end."""
+        try:
+            self._proc.kill()
+        except OSError:
+            pass
+        self._closed_why = f"this process killed it ({why})"
+        self._close_later(why)
+
+    def _close_later(self, why: str) -> None:
+        with self._cond:
+            if self._closing:
+                return
+            self._closing = True
+        threading.Thread(target=self.close, args=(why,), name="mpify_nb-template-retire", daemon=True).start()
 
     def alive(self) -> bool:
         return not self._dead and self._proc.poll() is None
@@ -171,19 +220,32 @@ class TemplateClient:
                 raise
             self._give_up(f"is still starting (it imports torch) after {timeout:.3g} s")
         with self._cond:
+            if self._retiring:  # checked where retire() counts what is in flight: never both
+                raise TemplateRetired(f"the template process (pid {self.pid}) is retiring: it forks no more ranks")
             request_id = self._next_id
             self._next_id += 1
+            self._in_flight.add(request_id)
+        try:
+            return self._fork(request_id, fds, deadline, timeout)
+        finally:
+            with self._cond:
+                self._in_flight.discard(request_id)
+                idle = self._retiring and not self._live and not self._in_flight and not self._dead
+            if idle:
+                self._close_later("retired")  # it retired meanwhile, and this fork left it nothing
+
+    def _fork(self, request_id: int, fds: list[int], deadline: float, timeout: float) -> int:
         try:
             with self._send_lock:
                 framing.send(self._control, pickle.dumps((FORK, request_id)), fds)
         except OSError as e:
-            raise TemplateDied(f"the template process (pid {self.pid}) is gone: {e}") from None
+            raise TemplateDied(f"the template process (pid {self.pid}) is gone ({self.how_it_ended()}): {e}") from None
         with self._cond:
             self._cond.wait_for(lambda: request_id in self._forked or self._dead, max(0.0, deadline - time.monotonic()))
             if request_id in self._forked:
                 return self._forked.pop(request_id)
             if self._dead:
-                raise TemplateDied(f"the template process (pid {self.pid}) died ({self._how_it_ended()}) "
+                raise TemplateDied(f"the template process (pid {self.pid}) died ({self.how_it_ended()}) "
                                    "before it could fork a rank")
         self._give_up(f"did not fork a rank within {timeout:.3g} s")
 
@@ -191,23 +253,31 @@ class TemplateClient:
         if _process_state(self.pid) in ("T", "t"):
             # Stopped (SIGSTOP, a debugger): it would never answer. The next call starts a fresh one.
             self._proc.kill()
+            self._closed_why = "this process killed it: it was stopped (SIGSTOP?) and did not answer"
             self.close()
             raise TemplateUnresponsive(f"the template process (pid {self.pid}) {what}: it is stopped "
                                        "(SIGSTOP?), so it was replaced")
         # Merely slow (a loaded machine): keep it, a later call will find it ready.
         raise TemplateUnresponsive(f"the template process (pid {self.pid}) {what}")
 
-    def _how_it_ended(self) -> str:
+    def how_it_ended(self) -> str:
+        """How the template process ended, for an error message: the signal that killed it, or
+        its exit status, and why, when this process closed it."""
         try:
             code = self._proc.wait(timeout=1.0)
         except subprocess.TimeoutExpired:
-            return "its control socket closed"
+            return "its control socket closed; it has not exited yet"
         if code < 0:
             try:
-                return f"killed by {signal.Signals(-code).name}"
+                name = signal.Signals(-code).name
             except ValueError:
-                return f"killed by signal {-code}"
-        return f"exit code {code}"
+                name = f"signal {-code}"
+            how = f"killed by {name}"
+            if -code == signal.SIGKILL and not self._closed_why:
+                how += " (kill -9, or the kernel's out-of-memory killer: see dmesg)"
+        else:
+            how = f"exit status {code}"
+        return f"{how}: {self._closed_why}" if self._closed_why else how
 
     def exit_code(self, pid: int, timeout: float) -> Optional[int]:
         """The exit code of a rank it forked (negative: killed by that signal); None if unknown."""
@@ -215,8 +285,11 @@ class TemplateClient:
             self._cond.wait_for(lambda: pid in self._exited or self._dead, timeout)
             return self._exited.pop(pid, None)
 
-    def close(self) -> None:
-        """Stop the template; the ranks it still has die with it."""
+    def close(self, why: str = "shut down") -> None:
+        """Stop the template; the ranks it still has die with it. ``why`` goes into the
+        error of a rank that dies with it (see how_it_ended)."""
+        if not self._closed_why:
+            self._closed_why = f"this process closed it ({why})"
         self._dead = True
         try:
             # shutdown, not just close: our reader thread is blocked in recv() on this socket,
@@ -243,6 +316,7 @@ class TemplateClient:
                 with self._cond:
                     if reply[0] == READY:
                         self.failed = reply[2]
+                        self.modules = frozenset(reply[3]) if len(reply) > 3 else None
                         self._ready = True
                     elif reply[0] == FORKED:
                         self._forked[reply[1]] = reply[2]
@@ -257,9 +331,9 @@ class TemplateClient:
                     elif reply[0] == "rejected":
                         self.rejected = (reply[1], reply[2])
                     self._cond.notify_all()
-                    retire_now = self._retiring and not self._live and reply[0] == EXITED
+                    retire_now = self._retiring and not self._live and not self._in_flight and reply[0] == EXITED
                 if retire_now:
-                    threading.Thread(target=self.close, name="mpify_nb-template-retire", daemon=True).start()
+                    self._close_later("retired, after its last rank")
         except (OSError, EOFError):
             pass
         with self._cond:
@@ -276,16 +350,22 @@ _candidate: Optional[TemplateClient] = None  # a fresh template preloading in th
 def get_template() -> TemplateClient:
     """The current template, started (or restarted) as needed. A preloading template that
     is ready by now takes over; one still importing is not waited for."""
-    global _client
+    global _client, _candidate
     with _lock:
         _settle_candidate()
-        if _client is not None and (not _client.alive() or _client.env_signature != _env_signature()):
+        if _client is not None and (not _client.alive() or _client.retiring
+                                    or _client.env_signature != _env_signature()):
             if _client.alive():
-                _client.retire()  # a Session's ranks live on in it: it ends when they do
+                _client.retire(wait=False)  # a Session's ranks live on in it: it ends when they do
             else:
-                _client.close()
+                _client.close("it had died")
             _client = None
         if _client is None:
+            if _candidate is not None:
+                # A call waits for the template we start now: a preload beside it would take half the
+                # machine. It starts again after the call (refresh), with this environment.
+                _candidate.abandon("a call needed a template at once")
+                _candidate = None
             # Only what the user named: nothing learned is worth a wait. The rest comes in the background.
             _client = TemplateClient(preload.named() if preload.enabled() else (), preload.site_paths())
         return _client
@@ -303,20 +383,22 @@ def _settle_candidate() -> bool:
             preload.mark_failed(*c.rejected)
         elif c.trying is not None:
             preload.mark_failed(c.trying, "the template process died while importing it")
-        c.close()
+        c.close("a preload failed in it")
         _candidate = None
         return True
-    if not c.ready:
+    usable = c.env_signature == _env_signature() and preload.enabled()
+    if usable and not c.ready:
         return False
     _candidate = None
-    for name, why in c.failed.items():
-        preload.mark_failed(name, why)
-    if c.env_signature != _env_signature() or not preload.enabled():
-        c.close()
+    if c.ready:
+        for name, why in c.failed.items():
+            preload.mark_failed(name, why)
+    if not usable:  # ready or not: it can never serve
+        c.abandon("a variable read at import time changed, or preloading was turned off")
         return True
     old, _client = _client, c
     if old is not None:
-        old.retire()
+        old.retire(wait=False)  # its ranks, and those it is forking now, live on in it
     return True
 
 
@@ -332,8 +414,10 @@ def refresh(cwd: Optional[str] = None) -> None:
         if _candidate is not None or not want:
             return  # one is on its way; once it is in, the next refresh adds what it lacks
         current = _client
-        if current is None or not current.alive():
-            return  # the next call starts one (with the named modules); then we add the rest
+        if current is None or not current.ready:
+            # None or dead: the next call starts one (with the named modules); then we add the rest.
+            # Still starting: a call may be waiting for it, and a preload would slow it down.
+            return
     held = current.holds()
     missing = [n for n in want if n not in held]
     if not missing or not current.lacks(missing):  # asked without _lock: a call may want a fork now
@@ -403,10 +487,10 @@ def drop_preloaded() -> None:
     global _client, _candidate
     with _lock:
         if _candidate is not None:
-            _candidate.close()
+            _candidate.abandon("preloading was turned off")
             _candidate = None
         if _client is not None and _client.holds():
-            _client.retire()
+            _client.retire(wait=False)
             _client = None
 
 
@@ -463,21 +547,16 @@ def shutdown() -> bool:
     global _client, _candidate
     with _lock:
         if _candidate is not None:
-            _candidate.close()
+            _candidate.abandon("preloading was stopped by shutdown()")
             _candidate = None
         client, _client = _client, None
-    if client is None:
+    if client is None or client.retire():
         return True
-    live = client.live_ranks()
-    if not live:
-        client.close()
-        return True
-    client.retire()
     import warnings
 
-    warnings.warn(f"mpify_nb.template.shutdown(): the template (pid {client.pid}) still has {len(live)} live "
-                  "ranks (an open Session's, or a call's): it ends when they do, so close the Session to free "
-                  "its memory", RuntimeWarning, stacklevel=2)
+    warnings.warn(f"mpify_nb.template.shutdown(): the template (pid {client.pid}) still has {client.live_count()} "
+                  "live ranks (an open Session's, or a call's): it ends when they do, so close the Session to "
+                  "free its memory", RuntimeWarning, stacklevel=2)
     return False
 
 
@@ -489,8 +568,27 @@ def _process_state(pid: int) -> Optional[str]:
         return None
 
 
+#: The notebook's own environment while a call plays a rank in this process (see set_caller_environ).
+_caller_environ: Optional[dict[str, str]] = None
+
+
+def set_caller_environ(environ: Optional[dict[str, str]]) -> None:
+    """While a call plays a rank here, ``os.environ`` holds that rank's variables: templates are
+    made, and judged, with ``environ`` (this process's own, from before the call) instead.
+    None: the call is over, os.environ is the process's own again."""
+    global _caller_environ
+    _caller_environ = None if environ is None else dict(environ)
+
+
+def _environ() -> dict[str, str]:
+    """This process's own environment (a copy)."""
+    environ = _caller_environ
+    return dict(os.environ if environ is None else environ)
+
+
 def _env_signature() -> tuple:
-    return (sys.executable,) + tuple(os.environ.get(k) for k in IMPORT_TIME_ENV)
+    environ = _environ()
+    return (sys.executable,) + tuple(environ.get(k) for k in IMPORT_TIME_ENV)
 
 
 def own_process_group() -> dict:
@@ -506,7 +604,7 @@ def own_process_group() -> dict:
 
 def bootstrap_env() -> dict:
     """The environment a new interpreter needs to import this very copy of mpify_nb."""
-    env = dict(os.environ)
+    env = _environ()
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # src/, above mpify_nb/start/
     paths = env.get("PYTHONPATH", "")
     env["PYTHONPATH"] = here + (os.pathsep + paths if paths else "")

@@ -65,7 +65,7 @@ def serve(control_fd: int) -> None:
         except OSError:
             caller_gone()
 
-    reply(READY, os.getpid(), failed)
+    reply(READY, os.getpid(), failed, list(sys.modules))  # what its ranks hold: a call need not import it
     selector = selectors.DefaultSelector()
     selector.register(control, selectors.EVENT_READ, "control")
     selector.register(child_r, selectors.EVENT_READ, "child")

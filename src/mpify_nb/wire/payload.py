@@ -4,10 +4,15 @@ This module does one hard job: turn what a notebook user wrote into bytes
 another process can run, and back.
 
 * Functions, lambdas, closures and classes defined in the notebook (module
-  ``__main__``) travel *by value* with dill, each function with the globals it
-  references (``recurse=True``): a function that uses ``np`` or a helper from
-  another cell works on a rank without ``need=``/``imports=``. Modules travel by
-  name and are imported on the rank.
+  ``__main__``) travel *by value*, each function with the globals its code names:
+  a function that uses ``np`` or a helper from another cell works on a rank without
+  ``need=``/``imports=``. What an importable module holds (its functions, classes,
+  methods; the module itself) travels *by reference* and is imported on the rank;
+  no library's globals are ever walked (wire/ship.py decides which is which).
+* Before a rank loads a call, it imports what the notebook had imported that the
+  call can depend on (wire/modules.py): a module that patches classes when it is
+  imported (fastai's ``@patch``) has done so on the rank too, whether or not the
+  template process had preloaded it.
 * Big CPU tensors (>= ``SHARED_TENSOR_MIN_BYTES``) are not pickled: their bytes
   are copied once into an anonymous shared-memory file (memfd) whose descriptor
   rides beside the message. A rank maps it copy-on-write, so N ranks read one
@@ -15,9 +20,9 @@ another process can run, and back.
   the caller's tensor *is* the mapping (no second copy).
 * Notebook classes in a result come back as the caller's own class object (so
   ``isinstance(result, MyClass)`` holds), not as a look-alike copy.
-* When something cannot be pickled, the error names it: the function, the
-  argument (by position or keyword), the global the function uses, the context
-  manager, or the rank's return value.
+* When something cannot be pickled, the error names the path to it, from the
+  function, argument, context manager or return value down to the culprit:
+  ``train -> global 'cb' (Logger) -> attribute .fh: an open file``.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from __future__ import annotations
 import builtins
 import io
 import linecache
-import os
+import pickle
 import sys
 import threading
 import types
@@ -34,8 +39,8 @@ from typing import Any, Callable, Optional
 
 import dill
 
-from . import shm
-from .errors import PayloadError, safe_str
+from . import failpath, modules, ship, shm
+from .errors import PayloadError
 from .shm import close_fds
 
 SHARED_TENSOR_MIN_BYTES = 1 << 20
@@ -62,12 +67,15 @@ _MAIN_CLASS_TAG = "mpify_nb.main_class"
 #                                                 datetime64 too, viewed as bytes and back)
 #   anything else                             ->  plain pickle
 
-class _Pickler(dill.Pickler):
-    """dill's pickler, plus: big CPU tensors and arrays go to memfds; optionally, notebook
-    classes by name."""
+class _Pickler(failpath.PathTracker, dill.Pickler):
+    """dill's pickler, plus: functions by reference or by value as wire/ship.py decides; big CPU
+    tensors and arrays go to memfds; optionally, notebook classes by name; the path to what
+    failed."""
 
     def __init__(self, file, *, classes_by_name: bool = False):
-        super().__init__(file, protocol=dill.HIGHEST_PROTOCOL, recurse=True, byref=False)
+        super().__init__(file, protocol=dill.HIGHEST_PROTOCOL, recurse=False, byref=False)
+        self._track_init()
+        self._globals: dict[Any, Any] = {}  # a function's globals -> what stands for them (ship.py)
         self.fds: list[int] = []
         self._objects: dict[int, tuple] = {}  # id(tensor or array) -> its persistent id
         self._kept: list[Any] = []  # keeps those ids valid while we pickle
@@ -76,6 +84,20 @@ class _Pickler(dill.Pickler):
         self._classes_by_name = classes_by_name
         self._torch = sys.modules.get("torch")  # no torch imported: no tensors to look for
         self._numpy = sys.modules.get("numpy")
+
+    def save_specially(self, obj, save_persistent_id: bool) -> bool:
+        """A class of the notebook: made from its functions and constants, the rest set on it
+        after (ship.reduce_class), dill's way of deferring steps until it exists."""
+        memo: dict = self.memo  # type: ignore[attr-defined]
+        if isinstance(obj, type) and id(obj) not in memo and ship.by_value_class(obj) \
+                and not (save_persistent_id and self.persistent_id(obj) is not None):
+            reduction, attributes = ship.reduce_class(obj)
+            self.mark(attributes, "class attributes", obj)
+            self.mark(reduction[1][3], "class attributes", obj)
+            dill._dill._save_with_postproc(self, reduction, obj=obj,
+                                            postproc_list=[(ship.set_attributes, (obj, attributes))])
+            return True
+        return False
 
     def persistent_id(self, obj):
         if self._classes_by_name and isinstance(obj, type) and obj.__module__ == "__main__":
@@ -96,6 +118,28 @@ class _Pickler(dill.Pickler):
         return pid
 
     def reducer_override(self, obj):
+        kind = type(obj)
+        if kind is types.FunctionType:
+            if ship.by_reference(obj):
+                return NotImplemented  # dill saves it as (module, qualname)
+            # Inside a notebook class dill is building: what may name the class is set after it.
+            later = next(iter(self._postproc.values()), None) if self._postproc else None
+            before = len(later) if later is not None else 0
+            reduced = ship.reduce_function(obj, self._globals, later)
+            for step in (later or [])[before:]:
+                if step[0] is ship.set_globals:
+                    self.mark(step[1][1], "globals", obj)
+            return reduced
+        if kind is types.CellType:
+            return ship.reduce_cell(obj)
+        if ship.by_value_enum(obj):
+            return ship.reduce_enum(obj)
+        if kind is ship.ModuleGlobals:
+            return ship.reduce_module_globals(obj)
+        # To the ranks, what a module holds is the rank's own; a rank's answer is its value, though.
+        where = None if self._classes_by_name else ship.held_by_module(obj)
+        if where is not None:
+            return ship.reduce_held(where)
         builtin_name = _swapped_builtin(obj)
         if builtin_name is not None:
             return getattr, (builtins, builtin_name)
@@ -251,26 +295,35 @@ def _lookup_main(qualname: str) -> Any:
     return obj
 
 
-def dumps(obj: Any, *, classes_by_name: bool = False) -> tuple[bytes, list[int]]:
+def dumps(obj: Any, *, classes_by_name: bool = False,
+          labels: Optional[dict[int, str]] = None) -> tuple[bytes, list[int]]:
     """Pickle ``obj``; return the bytes and the memfds that carry its big tensors.
-    The caller owns the fds and must close them once sent."""
+    The caller owns the fds and must close them once sent. On failure the exception gets
+    ``mpify_where``: (the steps down to what failed, what it is and why; see ship.explain),
+    the steps named from ``labels`` (id(part of obj) -> its name) down."""
     buf = io.BytesIO()
     pickler = _Pickler(buf, classes_by_name=classes_by_name)
     try:
         pickler.dump(obj)
-    except BaseException:
+    except BaseException as e:
         close_fds(pickler.fds)
+        if pickler.failed_path is not None:
+            try:
+                e.mpify_where = failpath.explain(pickler.failed_path, pickler._roles, labels or {}, e)  # type: ignore[attr-defined]
+            except Exception:
+                pass  # the error itself still says what went wrong
         raise
     return buf.getvalue(), pickler.fds
 
 
 def loads(data, fds: Sequence[int] = (), *, private: bool = False,
           windows: Optional[dict[int, tuple[int, int]]] = None) -> Any:
-    """Unpickle what ``dumps`` made. Closes ``fds`` (mappings stay valid without them).
-    ``windows``: fd index -> (offset, length), for an fd whose tensor is only that part of
-    its file (see ``shm.map_windows``)."""
+    """Unpickle what ``dumps`` made (bytes, or a stream positioned at it). Closes ``fds``
+    (mappings stay valid without them). ``windows``: fd index -> (offset, length), for an fd
+    whose tensor is only that part of its file (see ``shm.map_windows``)."""
+    stream = data if isinstance(data, io.BytesIO) else io.BytesIO(data)
     try:
-        return _Unpickler(io.BytesIO(data), list(fds), private=private, windows=windows).load()
+        return _Unpickler(stream, list(fds), private=private, windows=windows).load()
     finally:
         close_fds(fds)
 
@@ -278,11 +331,21 @@ def loads(data, fds: Sequence[int] = (), *, private: bool = False,
 # -- the call -----------------------------------------------------------------------------
 
 class PackedCall:
-    """A call ready to send: the same bytes and memfds go to every rank."""
+    """A call ready to send: the same bytes and memfds go to every rank; ``modules``: what a rank
+    imports before loading it (wire/modules.py), sent ahead of the bytes by :meth:`body`."""
 
-    def __init__(self, data: bytes, fds: list[int]):
+    def __init__(self, data: bytes, fds: list[int], modules: tuple[str, ...] = ()):
         self.data = data
         self.fds = fds
+        self.modules = modules
+        self._bodies: dict[Optional[frozenset], bytes] = {}
+
+    def body(self, held: Optional[frozenset[str]] = None) -> bytes:
+        """The bytes for a rank born holding the modules ``held`` (None: unknown, all of them)."""
+        body = self._bodies.get(held)
+        if body is None:
+            body = self._bodies[held] = modules.preamble(self.modules, held) + self.data
+        return body
 
     def close(self) -> None:
         close_fds(self.fds)
@@ -314,66 +377,56 @@ def pack_call(
         except SyntaxError as e:
             raise PayloadError(f"imports= is not valid Python: {e}") from None
     needed = _needed_globals(need)
-    call = (fn, args, kwargs, ctx, needed, imports, cell_sources(fn))
+    call = (fn, args, kwargs, ctx, needed, imports, ship.cell_sources(fn))
+    name = f"{getattr(fn, '__qualname__', None) or type(fn).__name__}()"
+    labels = {id(fn): name, id(args): "", id(kwargs): "", id(needed): ""}
+    labels.update((id(a), f"argument {i}") for i, a in enumerate(args))
+    labels.update((id(v), f"keyword argument {k!r}") for k, v in kwargs.items())
+    labels.update((id(v), f"need= global {k!r}") for k, v in needed.items())
+    if ctx is not None:
+        labels[id(ctx)] = f"ctx ({type(ctx).__name__})"
     try:
-        data, fds = dumps(call)
+        data, fds = dumps(call, labels=labels)
     except Exception as e:
-        raise _explain_pickling_failure(fn, args, kwargs, ctx, needed, e) from e
-    return PackedCall(data, fds)
+        raise failpath.unshippable(e, name) from e
+    return PackedCall(data, fds, modules.for_call())
+
+
+def pack_values(values: dict) -> PackedCall:
+    """Variables for a Session's ranks (push), like a call: PayloadError names the path to what
+    cannot be pickled; the notebook's modules go ahead of them."""
+    labels = {id(v): f"variable {k!r}" for k, v in values.items()}
+    try:
+        data, fds = dumps(values, labels=labels)
+    except Exception as e:
+        raise failpath.unshippable(e, f"{sorted(values)}") from e
+    return PackedCall(data, fds, modules.for_call())
+
+
+def _after_imports(data, fds) -> io.BytesIO:
+    """Read what PackedCall.body() put ahead of the pickle and import those modules; the stream
+    is then at the pickle."""
+    stream = io.BytesIO(data)
+    try:
+        modules.import_all(pickle.load(stream))
+    except BaseException:
+        close_fds(fds)
+        raise
+    return stream
+
+
+def unpack_values(data, fds) -> Any:
+    """Load what pack_values() made (and PackedCall.body() sent)."""
+    return loads(_after_imports(data, fds), fds, private=True)
 
 
 def unpack_call(data, fds, windows: Optional[dict[int, tuple[int, int]]] = None
                 ) -> tuple[Callable, tuple, dict, Any, dict, str]:
-    *call, sources = loads(data, fds, private=True, windows=windows)
+    """Load what pack_call() made (and PackedCall.body() sent)."""
+    *call, sources = loads(_after_imports(data, fds), fds, private=True, windows=windows)
     for filename, lines in sources.items():  # a warning's or traceback's source line, as in the notebook
         linecache.cache.setdefault(filename, (sum(map(len, lines)), None, lines, filename))
     return tuple(call)  # type: ignore[return-value]
-
-
-def cell_sources(fn: Callable) -> dict[str, list[str]]:
-    """The source lines of the notebook cells ``fn`` (and the notebook functions and classes it
-    reaches) was defined in. They exist only in this process's linecache (no file on disk), so a
-    rank's warnings and tracebacks would otherwise show no source line."""
-    files: set[str] = set()
-    seen: set[int] = set()
-    stack: list[Any] = [fn]
-    while stack and len(seen) < 1000:
-        obj = stack.pop()
-        obj = getattr(obj, "__func__", getattr(obj, "func", obj))  # bound methods, partials
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, type):
-            if obj.__module__ == "__main__":
-                stack.extend(vars(obj).values())
-            continue
-        code = getattr(obj, "__code__", None)
-        if not isinstance(code, types.CodeType):
-            continue
-        codes = [code]
-        while codes:
-            c = codes.pop()
-            files.add(c.co_filename)
-            codes.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
-        if getattr(obj, "__module__", None) == "__main__":
-            glob = getattr(obj, "__globals__", {})
-            stack.extend(glob[name] for name in code.co_names if name in glob)
-            stack.extend(cell.cell_contents for cell in (getattr(obj, "__closure__", None) or ())
-                         if _filled(cell))
-    sources = {}
-    for filename in files:
-        entry = linecache.cache.get(filename)
-        if entry is not None and len(entry) == 4 and entry[1] is None and not os.path.exists(filename):
-            sources[filename] = list(entry[2])
-    return sources
-
-
-def _filled(cell) -> bool:
-    try:
-        _ = cell.cell_contents
-    except ValueError:
-        return False
-    return True
 
 
 def _needed_globals(need: str) -> dict:
@@ -387,48 +440,18 @@ def _needed_globals(need: str) -> dict:
     return {n: main[n] for n in names}
 
 
-def _explain_pickling_failure(fn, args, kwargs, ctx, needed, error) -> PayloadError:
-    def fails(obj) -> Optional[str]:
-        try:
-            close_fds(dumps(obj)[1])
-            return None
-        except Exception as e:
-            return f"{type(e).__name__}: {safe_str(e)}"
-
-    why = f"{type(error).__name__}: {safe_str(error)}"
-    candidates: list[tuple[str, Any]] = []
-    for i, a in enumerate(args):
-        candidates.append((f"argument {i} ({type(a).__name__})", a))
-    for k, v in kwargs.items():
-        candidates.append((f"keyword argument {k!r} ({type(v).__name__})", v))
-    for k, v in needed.items():
-        candidates.append((f"need= global {k!r}", v))
-    if ctx is not None:
-        candidates.append((f"ctx ({type(ctx).__name__})", ctx))
-    for label, obj in candidates:
-        reason = fails(obj)
-        if reason:
-            return PayloadError(f"cannot send {label} to the ranks: {reason}")
-    name = getattr(fn, "__qualname__", repr(fn))
-    try:
-        used = dill.detect.globalvars(fn, recurse=True)
-    except Exception:
-        used = {}
-    for gname, value in used.items():
-        reason = fails(value)
-        if reason:
-            return PayloadError(
-                f"cannot send {name}() to the ranks: it uses the global {gname!r} "
-                f"({type(value).__name__}), which cannot be pickled ({reason}). "
-                "Create it inside the function, or pass what it needs as an argument."
-            )
-    return PayloadError(f"cannot send {name}() to the ranks: {why}")
-
-
 # -- the answer ---------------------------------------------------------------------------
 
 def pack_result(value: Any) -> tuple[bytes, list[int]]:
-    return dumps(value, classes_by_name=True)
+    """A rank's answer. Raises PayloadError naming the path to what cannot be pickled."""
+    try:
+        return dumps(value, classes_by_name=True)
+    except Exception as e:
+        where = getattr(e, "mpify_where", None)
+        if where is None:
+            raise
+        steps, tail = where
+        raise PayloadError(" -> ".join(["the value", *steps]) + f": {tail}") from e
 
 
 def unpack_result(data, fds) -> Any:

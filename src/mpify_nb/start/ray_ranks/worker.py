@@ -12,7 +12,8 @@ import sys
 import threading
 from typing import Any, Optional
 
-from ...wire import framing, payload, shm
+from ...wire import framing, modules, payload, shm
+from ...wire.protocol import CALL, unpack
 from .link import deliver, frames, identity, interface_of, no_delay, send_frame, send_message
 
 #: Our package imported in a Ray worker must not start a template of its own.
@@ -30,6 +31,7 @@ def serve_rank(caller: str, port: int, token: bytes, rank: int, setup: bytes, ca
         import torch  # noqa: F401  (the rank is forked from here: this worker keeps torch for the next call)
     except ImportError:
         pass
+    _import_ahead(call)
     link = socket.create_connection((caller, port), timeout=30)
     link.settimeout(None)
     no_delay(link)
@@ -225,6 +227,28 @@ def _open_same(path: str, key: tuple[int, int]) -> Optional[int]:
         return fd
     os.close(fd)
     return None
+
+
+def _import_ahead(call: bytes) -> None:
+    """Import here the installed modules the call's rank will import first (wire/modules.py): the rank
+    is forked from this worker, which Ray reuses, so later calls' ranks hold them already (as a
+    template's do). Not the notebook's own modules: a rank must import their current version."""
+    try:
+        import importlib.util
+
+        kind, _req, body = unpack(call)
+        if kind != CALL or not len(body):
+            return
+        roots = modules.Roots(None)
+        for name in pickle.loads(body):  # parents before their submodules (import order)
+            parent = name.rpartition(".")[0]
+            if name in sys.modules or (parent and parent not in sys.modules):
+                continue  # (find_spec would import a parent that is not installed)
+            spec = importlib.util.find_spec(name)
+            if spec is not None and roots.installed(spec.origin):
+                modules.import_all([name])
+    except Exception:
+        pass  # only a speed-up is lost: the rank imports them itself
 
 
 def _max_fd() -> int:

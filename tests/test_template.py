@@ -1,0 +1,129 @@
+"""The template while it is replaced: a rank it is forking lives, it forks nothing more, and a
+call that must start a template never waits for a preload beside it (issue 27, items 5 and 6).
+
+Under load, a candidate template became ready while a call's rank was being forked from the old
+one; the old one retired before it had counted that rank, closed, and took the rank with it
+(``RankExitedError: ... the template process it was forked from (pid N) died``). A loaded
+machine delays the caller's reader thread between the template's FORKED answer and its
+counting; here the test holds the reader's lock instead, so the moment is the same every run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+import helpers_ranks as hr
+import mpify_nb
+from helpers_ranch import assert_next_call_works
+from mpify_nb.start import template
+from mpify_nb.wire import modules as rank_modules
+from test_preload import fresh, unused  # noqa: F401  (fresh: a fixture)
+
+NO_HANG = 120.0
+
+
+def _wait_until(condition, what: str, timeout: float = NO_HANG) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
+        time.sleep(0.01)
+
+
+def _has_read_an_answer(client: template.TemplateClient) -> bool:
+    """Its reader thread took a message off the socket, and waits for the client's lock to count it
+    (past framing's recv: waiting to enter ``with self._cond`` in _read_replies)."""
+    frame = sys._current_frames().get(client._reader.ident or 0)
+    names = []
+    while frame is not None:
+        names.append(frame.f_code.co_name)
+        frame = frame.f_back
+    return names[:2] == ["__enter__", "_read_replies"]
+
+
+def test_a_template_replaced_while_it_forks_a_rank_keeps_that_rank_and_forks_no_more(monkeypatch):
+    # The call must not first ask the template which of this process's modules it holds (an
+    # answer that would come before FORKED): the moment held below is FORKED's.
+    monkeypatch.setattr(rank_modules, "_enabled", False)
+    assert_next_call_works()
+    old = template.get_template()
+    old.wait_ready()
+    os.kill(old.pid, signal.SIGSTOP)  # it cannot answer the FORK the call is about to send
+    outcome: list = []
+
+    def call() -> None:
+        try:
+            outcome.append(mpify_nb.ranch(2, hr.parent_pid, caller_rank=None, timeout=NO_HANG))
+        except BaseException as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=call)
+    try:
+        thread.start()
+        _wait_until(lambda: bool(old._in_flight), "the call asked the template for a rank")
+        with old._cond:  # the reader cannot count the rank it forks until we let go
+            os.kill(old.pid, signal.SIGCONT)
+            _wait_until(lambda: _has_read_an_answer(old), "the template answered FORKED")
+            monkeypatch.setenv("OMP_NUM_THREADS", "7")  # read at import time: the template is replaced
+            new = template.get_template()
+        thread.join(NO_HANG)
+    finally:
+        try:
+            os.kill(old.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass  # it died
+    assert not thread.is_alive(), "the call hung"
+    # Rank 0 from the old template, which lived on for it; rank 1 from the new one (the old one
+    # was retiring: it forked nothing more).
+    assert outcome == [[old.pid, new.pid]], outcome
+    assert new is not old and old.retiring
+    assert old._proc.wait(timeout=NO_HANG) == 0  # it left by itself once its rank had exited
+    assert_next_call_works()
+
+
+def test_a_rank_whose_template_is_killed_says_how_it_died(tmp_path):
+    assert_next_call_works()
+    client = template.get_template()
+
+    def kill_template_once_ranks_run() -> None:
+        hr.wait_for_file(str(tmp_path / "1.json"))
+        os.kill(client.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_template_once_ranks_run)
+    killer.start()
+    try:
+        with pytest.raises(mpify_nb.RankExitedError) as info:
+            mpify_nb.ranch(2, hr.sleep_and_record, str(tmp_path), 60, timeout=NO_HANG)
+    finally:
+        killer.join()
+    assert info.value.rank == 1
+    assert (f"the template process it was forked from (pid {client.pid}) died (killed by SIGKILL (kill -9, "
+            "or the kernel's out-of-memory killer: see dmesg)), and its ranks with it") in str(info.value)
+    assert_next_call_works()
+
+
+def test_a_call_that_must_start_a_template_stops_the_preload_beside_it(monkeypatch):
+    """A variable read at import time changed while a preloading template was on its way: the call
+    starts a template as a cold start does, and the preload (now useless: made with the old
+    environment) does not go on beside it, taking half the machine from the start the call waits for."""
+    [mod] = unused(1)
+    assert mpify_nb.ranch(2, hr.modules_then_import, [mod], caller_rank=None) == [{mod: False}] * 2
+    _wait_until(lambda: template._candidate is not None, "a preloading template started after the call")
+    candidate = template._candidate
+    assert candidate is not None
+    os.kill(candidate.pid, signal.SIGSTOP)  # a long preload: it stays in its imports
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "5")
+        assert mpify_nb.ranch(2, hr.rank) == [0, 1]
+        assert candidate._proc.wait(timeout=NO_HANG) == -signal.SIGKILL
+    finally:
+        if candidate._proc.poll() is None:
+            candidate._proc.kill()
+            candidate._proc.wait()
+    assert candidate.how_it_ended().startswith(
+        "killed by SIGKILL: this process killed it (a variable read at import time changed")
