@@ -17,20 +17,25 @@ pytest.importorskip("ipykernel")
 pytest.importorskip("debugpy")
 pytest.importorskip("jupyter_client")
 
+import nbutil  # noqa: E402
 from helpers_debugger import DebugFrontend, LabPanel  # noqa: E402
 from mpify_nb.debugger.ids import BASE  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def front(tmp_path_factory):
-    f = DebugFrontend(str(tmp_path_factory.mktemp("debugger")))
-    try:
-        f.ok("%load_ext mpify_nb")
-        f.ok("%dist_init -n 2")
-        f.enable()
-        yield f
-    finally:
-        f.close()
+    # A test that fails leaves the next a fresh kernel and ranks, the debugger on.
+    def make() -> DebugFrontend:
+        f = nbutil.ready(DebugFrontend(str(tmp_path_factory.mktemp("debugger"))), "ok",
+                         ["%load_ext mpify_nb", "%dist_init -n 2"])
+        try:
+            f.enable()
+        except BaseException:
+            f.close()
+            raise
+        return f
+
+    yield from nbutil.shared_kernel(make)
 
 
 @pytest.fixture

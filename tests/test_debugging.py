@@ -20,6 +20,7 @@ pytest.importorskip("ipykernel")
 jupyter_client = pytest.importorskip("jupyter_client")
 
 
+import nbutil  # noqa: E402
 from helpers_debugger import KernelFrontend, take_output  # noqa: E402
 
 CELL_TIMEOUT = 120.0
