@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 
 import nox
 
@@ -30,6 +31,9 @@ FLOOR_TESTS = [
     "tests/test_magics.py",
     "tests/test_debugging.py",
 ]
+#: What FLOOR_TESTS need of the test extra (kernels, notebooks, the timeout plugin; matplotlib and tqdm
+#: in ranks' cells, ipywidgets for tqdm's widget bar).
+FLOOR_PACKAGES = ["pytest", "pytest-timeout", "ipykernel", "nbclient", "nbformat", "matplotlib", "tqdm", "ipywidgets"]
 nox.options.sessions = ["tests", "lint", "typecheck", "package", "docs", "floor"]
 
 
@@ -96,13 +100,27 @@ def docs(session: nox.Session) -> None:
     session.run("mkdocs", "build", "--strict", *session.posargs)
 
 
+def floor_requirements() -> list[str]:
+    """The test extra's requirements (pyproject.toml, with their version ranges) that FLOOR_TESTS use:
+    the floor job installs only these, not Ray, Lightning, transformers, fastai or JupyterLab."""
+    import tomllib
+
+    with open("pyproject.toml", "rb") as f:
+        extra = tomllib.load(f)["project"]["optional-dependencies"]["test"]
+    found = [spec for spec in extra if re.split(r"[\[<>=!~ ;]", spec, maxsplit=1)[0] in FLOOR_PACKAGES]
+    names = {re.split(r"[\[<>=!~ ;]", spec, maxsplit=1)[0] for spec in found}
+    if names != set(FLOOR_PACKAGES):
+        raise ValueError(f"FLOOR_PACKAGES not in pyproject.toml's test extra: {sorted(set(FLOOR_PACKAGES) - names)}")
+    return found
+
+
 @nox.session
 def floor(session: nox.Session) -> None:
     """The version-sensitive tests (FLOOR_TESTS; or the tests named after ``--``) on the floor,
     FLOOR_TORCH, as the package index builds it: a CUDA build (~3 GB of wheels) that runs on CPU.
-    On 2 cores: installs ~250 s (torch) + ~200 s (the test extra), tests ~10 min."""
-    session.install(FLOOR_TORCH)
-    session.install(FLOOR_TORCH, "-e", ".[test]")  # torch pinned: nothing in the test extra may upgrade it
+    One install, torch pinned so nothing may upgrade it. .ci/run installs while the main suite runs
+    (``--install-only``) and then runs the tests alone (``-R``); docs/install.md gives the times."""
+    session.install(FLOOR_TORCH, "-e", ".", *floor_requirements())
     session.run("python", "-c", f"import torch; assert torch.__version__.split('+')[0] == "
                 f"{FLOOR_TORCH.split('==')[1]!r}, torch.__version__; print('torch', torch.__version__)")
     session.run("python", "-m", "pytest", *(session.posargs or FLOOR_TESTS))
