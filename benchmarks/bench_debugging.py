@@ -11,7 +11,9 @@ the machine) just before each read and just after it returns. Figures (medians):
 2. answer to the rank: from sending the ``input_reply`` to the rank's stamp after
    ``input()`` returned (target <= 20 ms);
 3. the same two for a read of fd 0 itself (``open("/dev/stdin")``, as
-   ``torch.distributed.breakpoint`` does), for information: such a read is seen by polling.
+   ``torch.distributed.breakpoint`` does), for information: after a prompt (pdb's ``(Pdb) ``, a
+   partial line on stdout), such a read is looked for at once; without one, at the caller's next
+   look at the rank (half a second into the cell, then once a second): nothing polls.
 
 For comparison, ipykernel's own ``input()`` in the kernel (no rank) is measured the same way.
 
@@ -118,6 +120,8 @@ def main() -> int:
         raw_loop = loop.replace("input('? ')", "raw.readline()").replace(
             "import time\n", "import time\nraw = open('/dev/stdin')\n")
         raw_request, raw_rank = figures(*run(kc, "%%rank [1]\n" + raw_loop, "x"))
+        prompt_loop = raw_loop.replace("raw.readline()", "print('(Pdb) ', end='', flush=True)\n    raw.readline()")
+        prompt_request, prompt_rank = figures(*run(kc, "%%rank [1]\n" + prompt_loop, "x"))
         results += [
             Result("20.1", "rank's read to input_request at the frontend", median(to_request) * 1000, "ms",
                    "<= 20 ms", median(to_request) <= 0.020, fmt_list(to_request)),
@@ -125,9 +129,15 @@ def main() -> int:
                    median(to_rank) <= 0.020, fmt_list(to_rank)),
             Result("20", "kernel's own input(): read to input_request", median(local[0]) * 1000, "ms"),
             Result("20", "kernel's own input(): answer to the next line", median(local[1]) * 1000, "ms"),
-            Result("20", "read of fd 0 itself (/dev/stdin: torch.distributed.breakpoint) to input_request",
-                   median(raw_request) * 1000, "ms", detail="seen by polling every 20 ms: " + fmt_list(raw_request)),
-            Result("20", "read of fd 0 itself: answer to the rank's next line", median(raw_rank) * 1000, "ms"),
+            Result("20", "read of fd 0 itself after a prompt (pdb on /dev/stdin) to input_request",
+                   median(prompt_request) * 1000, "ms", detail="looked for after the partial line: "
+                   + fmt_list(prompt_request)),
+            Result("20", "read of fd 0 itself after a prompt: answer to the rank's next line",
+                   median(prompt_rank) * 1000, "ms"),
+            Result("20", "read of fd 0 itself, no prompt before it, to input_request", median(raw_request) * 1000,
+                   "ms", detail="seen at the caller's next look: " + fmt_list(raw_request)),
+            Result("20", "read of fd 0 itself, no prompt: answer to the rank's next line",
+                   median(raw_rank) * 1000, "ms"),
         ]
         run(kc, "%dist_shutdown", "")
     finally:

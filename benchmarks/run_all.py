@@ -27,6 +27,7 @@ BENCHMARKS = {
     "session": "bench_session_magics.py",  # issue 8: persistent ranks, beside ipyparallel/nbdistributed
     "debugging": "bench_debugging.py",  # issue 20: a rank's stdin through the frontend
     "widgets": "bench_widgets.py",  # issue 21: a widget update from the frontend to a rank and back
+    "mismatch": "bench_mismatch.py",  # issue 28: a distributed mistake to its error; a look's cost
     "debugger": "bench_debugger.py",  # issue 29: the debugger panel on ranks, beside the kernel's own
 }
 

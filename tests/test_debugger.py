@@ -8,6 +8,7 @@ One kernel with 2 ranks (gloo) serves most tests, in order; each leaves no break
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -261,6 +262,29 @@ def test_a_peer_waiting_on_a_stopped_rank_is_no_error_and_timeout_does_not_run(n
         assert cell.results == ["[rank 0] tensor([2.])\n[rank 1] tensor([2.])"]
     finally:
         nb.ok("%%local\nsession().timeout = None")
+
+
+def test_a_mismatch_waits_while_a_rank_is_stopped_and_is_reported_once_it_goes_on(nb):
+    """Rank 1 issued a broadcast that rank 0's all_reduce can never match, then stops at a
+    breakpoint: no verdict while the user debugs it (it waits for the user, as at a prompt);
+    the CollectiveError comes once it goes on, and the group works again."""
+    code = ("t = torch.ones(1)\nif rank == 1:\n    w = dist.broadcast(t, 0, async_op=True)\n    held = 1\n"
+            "    w.wait()\nelse:\n    dist.all_reduce(t)")
+    nb.breakpoints(code, [4])
+    threads = rank_threads(nb)
+    cell = nb.start(code)
+    assert nb.next_event("stopped")["body"]["threadId"] == threads[1]
+    time.sleep(3.0)  # several of the watch's looks, each seeing the mismatch
+    assert not cell.idle, cell
+    assert nb.dap("continue", threadId=threads[1])["success"]
+    cell = nb.finish(cell)
+    assert cell.ename == "CollectiveError", cell
+    # rank 1 may be looked at on its way from line 4 (the breakpoint) to line 5 (w.wait())
+    assert re.search(r"the ranks wait in collectives that cannot match \(a different op\): rank 0 at Cell "
+                     rf"In\[{cell.number}\], line 7: all_reduce #(\d+) of float32\[1\]; rank 1 at line [45]: broadcast "
+                     r"#\1 of float32\[1\]", cell.traceback), cell.traceback  # numbered on the module's group
+    nb.clear_breakpoints()
+    assert nb.ok("t = torch.ones(1)\ndist.all_reduce(t)\nt").results == ["[rank 0] tensor([2.])\n[rank 1] tensor([2.])"]
 
 
 def test_the_stop_button_releases_stopped_ranks_and_keeps_the_session(nb):

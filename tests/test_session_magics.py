@@ -110,7 +110,8 @@ def test_the_session_magics_class_holds_every_magic_of_its_mixins():
     cls = session_magics_class()
     where = {kind: {name: getattr(cls, method).__module__.rsplit(".", 1)[1] for name, method in table.items()}
              for kind, table in cls.magics.items()}
-    lifecycle = ["dist_debug", "dist_init", "dist_reset", "dist_restart", "dist_shutdown", "dist_status", "dist_view"]
+    lifecycle = ["dist_debug", "dist_init", "dist_reset", "dist_restart", "dist_shutdown", "dist_status", "dist_view",
+                 "dist_where"]
     assert where == {
         "line": {**dict.fromkeys(lifecycle, "lifecycle"),
                  **dict.fromkeys(["dist_mode", "dist_pull", "dist_push", "sync"], "cells_and_data")},

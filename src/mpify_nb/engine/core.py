@@ -31,6 +31,7 @@ registers (:meth:`Engine.on`) and in its ``on_death``/``on_wake``::
     |   wake pipe         -> prompt answers (ANSWER to the rank); on_wake(bytes): SIGINT
     | ASK: prompts.Prompter asks the user; time_left() does not count that wait,     |
     |   nor the time a rank is paused at a debugger's breakpoint (pause/unpause)      |
+    | watch (engine/watch.py): LOOK now and then, SEEN / RETURNED -> verdict.judge   |
     | bury(m): kill, wait, end what it left; close its fds                           |
     +--------------------------------------------------------------------------------+
 
@@ -61,8 +62,9 @@ from ..relay.pipes import OutputRelay
 from ..start import placement
 from ..wire import framing, payload
 from ..wire.errors import RankExitedError
-from ..wire.protocol import ANSWER, ASK, pack, unpack
+from ..wire.protocol import ANSWER, ASK, NO_REQUEST, PEEK_STDIN, pack, unpack
 from . import interrupts, prompts
+from . import watch as collective_watch
 
 
 class Member:
@@ -140,6 +142,9 @@ class Engine:
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.selector.register(self.wake_r, selectors.EVENT_READ, ("wake", None))
         self.closed = False
+        #: the collective watch (engine/watch.py): looks at a call's ranks, judges what they wait in
+        self.watch = collective_watch.Watch(self)
+        relay.on_partial = self._peek_stdin
         for install in list(_capabilities):
             install(self)
 
@@ -238,6 +243,8 @@ class Engine:
     def send_control(self, m: Member, kind: bytes, req: int, body: bytes = b"") -> bool:
         """A frame for ``m``'s control thread (on its channel when it has no control channel);
         False when it is gone."""
+        if m.buried or (m.control is None and not m.channel_open):
+            return False
         try:
             framing.send(m.control if m.control is not None else m.channel, pack(kind, req, body))
             return True
@@ -384,6 +391,13 @@ class Engine:
         found there); else it is made at the first prompt, in the loop."""
         self.prompter = prompts.Prompter(self.wake)
 
+    def _peek_stdin(self, rank: int) -> None:
+        """Rank ``rank``'s stdout holds a partial line (the relay saw it): ask its control thread
+        whether a read of fd 0 follows it (a prompt), while a call runs (from any thread)."""
+        m = self.members.get(rank)
+        if m is not None and self.watch.active:
+            self.send_control(m, PEEK_STDIN, NO_REQUEST)
+
     def _on_ask(self, m: Member, req: int, body: Any, fds: list) -> None:
         """Rank ``m`` reads its stdin: ask the user (engine/prompts.py), its open line the prompt."""
         token = pickle.loads(body)
@@ -476,6 +490,7 @@ class Engine:
 
     def close(self) -> None:
         """After every rank is buried: the loop's own fds."""
+        self.watch.end()
         self.closed = True
         self.selector.close()
         os.close(self.wake_r)

@@ -13,7 +13,9 @@ the ranks exit after it. Data flow of one call::
     wait for every READY  <──────────────────────────────────  READY
     send GO to all ─────────────────────────────────────────> (no rendezvous before every rank loaded)
     [caller enters ctx, runs fn:       (watch thread:           enters ctx, runs fn
-     launcher/own_rank.py]                       engine.pump)
+     launcher/own_rank.py]                       engine.pump,
+                                         engine/watch.py: LOOK ──> control thread: SEEN
+                                        <─── RETURNED ─────────  fn returned (its group up)
                                         <─── DONE / FAIL ─────  sends its answer, exits
                                         <─── pidfd readable ─── (or dies: signal, segfault, OOM)
     relay thread  <────────────── stdout/stderr pipes ───────  print(...)          (relay/pipes.py)
@@ -25,6 +27,12 @@ in a gloo collective gets an error within ~2 s, a caller blocked in the
 rendezvous is freed at once (the TCPStore lives in a spawned rank, not in the
 caller), and a caller running Python code is interrupted with a signal. The call
 then raises the root cause.
+
+Ranks that wait in collectives that can never finish (another op, other sizes, a peer that
+returned without joining: engine/verdict.py) are found by the engine's collective watch, as in
+a Session: the call ends with ``CollectiveError``, the caller's own rank unstuck by cutting its
+connections to the others. A rank's error raised inside a collective (gloo's "Connection
+closed by peer") is held a moment and explained the same way (launcher/watched.py).
 """
 
 from __future__ import annotations
@@ -40,14 +48,18 @@ from typing import Any, Callable, Optional
 from ..engine import core, interrupts
 from ..relay.pipes import OutputRelay
 from ..start import placement, preload, template
-from ..torchdist import libraries
+from ..torchdist import libraries, waits
 from ..wire import framing, payload
 from ..wire.errors import PayloadError, RankError, RemoteFailure, safe_str
 from ..wire.protocol import CALL, DONE, FAIL, GO, IMPORTED, READY, pack
 from . import own_rank
+from .watched import WatchedCall
 
 # Seconds a finished rank may take to exit after sending its value before it is killed.
 _EXIT_GRACE = 5.0
+#: How long a rank's error raised inside a collective waits for news of the group's other ranks
+#: (one that returned without joining it, or raised first) before it is taken as the root cause.
+_EXPLAIN_PATIENCE = 0.5
 #: The request id of a call's one request (CALL) to each of its ranks.
 _REQUEST = 1
 
@@ -215,8 +227,9 @@ class _Rank(core.Member):
         self.value: Any = None
 
 
-class _Call:
-    """One ranch call: start its ranks, GO, gather their answers; the first failure wins."""
+class _Call(WatchedCall):
+    """One ranch call: start its ranks, GO, gather their answers; the first failure wins. What it
+    does with the collective watch is WatchedCall's (launcher/watched.py)."""
 
     def __init__(self, nprocs: int, caller_rank: Optional[int], timeout: Optional[float], imports: str = ""):
         self.nprocs = nprocs
@@ -226,6 +239,7 @@ class _Call:
         self.timeout = timeout
         self.imported: list[tuple[str, Optional[str]]] = []  # modules the ranks imported (start/preload.py)
         self.failure: Optional[BaseException] = None
+        self.failed_ranks: set[int] = set()  # ranks that sent an error
         # A rank's error held while a rank whose death is seen late (on another host) may have died
         # first: the error may be its echo ("Connection closed by peer"). (error, held until when)
         self.held: Optional[tuple[BaseException, float]] = None
@@ -233,6 +247,8 @@ class _Call:
         self.interrupted = False  # the user pressed stop (SIGINT)
         self.aborting = False  # we are stopping the ranks: their deaths are no news
         self.finished = False  # the caller's own rank is done; the watch may end
+        self.own_returned = False  # the caller's own rank returned from fn
+        self.layout: Optional[placement.Layout] = None
         self.own = own_rank.OwnRank()
         self.engine = core.Engine(OutputRelay(sys.stdout, sys.stderr), pump_output=False)
         self.engine.open_prompts()  # ranks' reads of stdin, asked of the user (on this thread)
@@ -243,6 +259,7 @@ class _Call:
         self.engine.on_death = self._on_death
         self.engine.on_wake = self._on_wake
         self.ranks: dict[int, _Rank] = self.engine.members
+        self.watch = self.engine.watch  # the collective watch (engine/watch.py)
 
     # -- the whole call ------------------------------------------------------------------
 
@@ -276,7 +293,7 @@ class _Call:
         watcher: Optional[threading.Thread] = None
         placer = placement.get_placer()
         try:
-            layout = placer.reserve(self.nprocs, self.caller_rank, self._time_left())
+            layout = self.layout = placer.reserve(self.nprocs, self.caller_rank, self._time_left())
             env = _world_env(layout, self.nprocs, self.caller_rank)
             self._start_ranks(placer, layout, packed, env)
             relay.start()
@@ -284,6 +301,7 @@ class _Call:
             if self.failure is None and not self.interrupted:
                 for handle in self.ranks.values():
                     self.engine.send(handle, GO, _REQUEST)  # one that just died: the watch reports how
+                self._begin_watch()
                 if self.caller_rank is None:
                     self._watch(until=self._all_done)
                 else:
@@ -302,11 +320,15 @@ class _Call:
             for r in self.ranks.values():
                 values[r.rank] = r.value
             return values
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             self.interrupted = True
+            where = self._where_they_were()
+            if where and not e.args:
+                raise KeyboardInterrupt(f"every rank was stopped; where they were: {where}") from None
             raise
         finally:
             self.finished = True
+            self.watch.end()
             self.engine.close_prompts()  # the ranks are done or stopped: no one reads the answers
             self._stop_all()
             for handle in self.ranks.values():
@@ -364,29 +386,41 @@ class _Call:
         """Handle rank events until ``until()`` holds or a failure was recorded."""
         while self.failure is None and not self.interrupted:
             if self.held is not None:
-                if time.monotonic() >= self.held[1]:
+                if time.monotonic() >= self.held[1] or self._held_answered():
                     break
             elif until():
                 break
             wait = self.engine.time_left(self.deadline)  # time a rank waits for the user is not the call's
             if wait is not None and wait <= 0:
-                running = sorted(r.rank for r in self.ranks.values() if not r.done)
-                if self.caller_rank is not None and not self.finished:
-                    running = sorted(running + [self.caller_rank])
-                self._fail(TimeoutError(
-                    f"ranch: the call did not finish within {self.timeout:g} s "
-                    f"(ranks still running: {running}); every rank was stopped"))
+                self._time_out()
+                return
+            verdict = self.watch.verdict
+            if verdict is not None and self.held is None:
+                self._collective_failed(verdict)
                 return
             if self.held is not None:
                 left = max(0.0, self.held[1] - time.monotonic())
                 wait = left if wait is None else min(wait, left)
+            looks = self.watch.tick()
+            if looks is not None:
+                wait = looks if wait is None else min(wait, looks)
             self.engine.pump(wait)
         self._release_held()  # a death noticed meanwhile is recorded already: the error joins it
 
     def _release_held(self) -> None:
         if self.held is not None:
             error, self.held = self.held[0], None
-            self._fail(error)
+            self._fail(self._explain(error))
+
+    def _hold(self, error: BaseException, patience: float) -> bool:
+        """Hold a rank's error ``patience`` seconds (the watch thread releases it); False when
+        another is held already, or the call has failed."""
+        with self.cond:
+            if self.failure is not None or self.held is not None:
+                return False
+            self.held = (error, time.monotonic() + patience)
+        self.engine.wake()
+        return True
 
     def _on_wake(self, data: bytes) -> None:
         for signum in data:
@@ -418,6 +452,7 @@ class _Call:
 
     def _on_error(self, handle: _Rank, req: int, body: Any, fds: list) -> None:
         handle.done = True
+        self.failed_ranks.add(handle.rank)
         payload.close_fds(fds)
         failure: RemoteFailure = pickle.loads(body)[0]
         error = failure.to_error(handle.rank, payload.loads)
@@ -426,8 +461,9 @@ class _Call:
         # A rank whose death we see only through its link (on another host) may have died before
         # this error was raised, and caused it: wait that long for the news before choosing the root cause.
         patience = max((r.process.death_latency for r in self.ranks.values() if not r.done), default=0.0)
-        if patience > 0 and self.failure is None and self.held is None:
-            self.held = (error, time.monotonic() + patience)
+        if error.context is not None:  # raised in a collective: a peer may have left it (_explain)
+            patience = max(patience, _EXPLAIN_PATIENCE)
+        if patience > 0 and self._hold(error, patience):
             return
         self._fail(error)
 
@@ -481,6 +517,8 @@ class _Call:
         run() raises the root cause once it has heard from every rank."""
         rank = self.caller_rank
         assert rank is not None
+        waits.mark_groups_born()  # what this process's recorder holds is of its earlier calls
+        waits.note_p2p()
         with self.own.running(env, self.engine.wake_w):
             try:
                 with self.own.user_code(sys._getframe()):
@@ -489,9 +527,13 @@ class _Call:
                         exec(compile(self.imports, "<imports>", "exec"), sys.modules["__main__"].__dict__)
                     with libraries.launched_externally():
                         if ctx is None:
-                            return fn(*args, **kwargs)
+                            value = fn(*args, **kwargs)
+                            self._own_rank_returned(rank)
+                            return value
                         with ctx:
-                            return fn(*args, **kwargs)
+                            value = fn(*args, **kwargs)
+                            self._own_rank_returned(rank)  # before ctx.__exit__ tears the group down
+                            return value
             except own_rank.Aborted:
                 return None  # another rank failed first; run() reports it
             except KeyboardInterrupt:
@@ -501,6 +543,14 @@ class _Call:
                 self.engine.kill_all()
                 raise
             except BaseException as e:
+                failure = RemoteFailure.capture(e, lambda exc: None).to_error(rank, payload.loads)
+                failure.__cause__ = e
+                try:
+                    failure.context = waits.snapshot_of_failure(rank, e)
+                except Exception:
+                    pass  # only a clearer error is lost
+                if failure.context is not None and self.failure is None and self._hold(failure, _EXPLAIN_PATIENCE):
+                    return None  # raised in a collective: the watch thread explains it (_explain)
                 # Is this the echo of a peer's failure (e.g. "Connection closed by peer")?
                 # Then the peer's own report is on its way: give it a moment.
                 if self.failure is None:
@@ -510,8 +560,6 @@ class _Call:
                         (r.process.death_latency for r in running), default=0.0)
                     with self.cond:
                         self.cond.wait_for(lambda: self.failure is not None or self.interrupted, timeout=patience)
-                failure = RemoteFailure.capture(e, lambda exc: None).to_error(rank, payload.loads)
-                failure.__cause__ = e
                 self._fail(failure)
                 return None
 
@@ -552,8 +600,9 @@ def _world_env(layout: placement.Layout, nprocs: int, caller_rank: Optional[int]
     """The variables every rank gets alike; layout.env_of(rank) adds each one's own."""
     store_rank = next((r for r in range(nprocs) if r != caller_rank), 0)
     # The rendezvous store lives in a spawned rank: killing the ranks then
-    # frees a caller blocked in the rendezvous (see ddp.py).
-    return dict(layout.world_env(nprocs), MPIFY_NB_STORE_RANK=str(store_rank))
+    # frees a caller blocked in the rendezvous (see ddp.py). Groups record their collectives in
+    # a small ring, for the collective watch (torchdist/waits.py).
+    return dict(layout.world_env(nprocs), MPIFY_NB_STORE_RANK=str(store_rank), **waits.recorder_env())
 
 
 def _learn_imports(started: bool, imported: list) -> None:

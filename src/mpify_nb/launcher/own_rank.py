@@ -64,6 +64,7 @@ class OwnRank:
     def __init__(self) -> None:
         self.on_main_thread = threading.current_thread() is threading.main_thread()
         self.thread_id = threading.get_ident()
+        self.native_id = threading.get_native_id()  # its /proc task (what it is blocked in)
         self.stop = SafeStop(self.thread_id, self.on_main_thread)
         #: the process ignored SIGINT before the call (nohup, a CI runner): the user's stays ignored
         self.ignores_user_sigint = self.on_main_thread and interrupts.process_ignores_sigint()

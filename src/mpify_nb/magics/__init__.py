@@ -4,7 +4,7 @@
 ranch.py            %%ranch N: fresh ranks for one cell; %ranch_result
 session.py          persistent ranks: the magics class driving one Session, built from
 lifecycle.py        %dist_init, %dist_shutdown, %dist_reset, %dist_restart, %dist_debug,
-                    %dist_view, %dist_status: the session's life, and
+                    %dist_view, %dist_status, %dist_where: the session's life, and
 cells_and_data.py   %%distributed, %%rank, %%local, %dist_push/%dist_pull, %sync,
                     %dist_mode: cells and data to the ranks
 rank_cells.py       a rank cell run on the ranks: its pieces in order, names sent

@@ -1,4 +1,5 @@
-"""The session's life: %dist_init, %dist_shutdown, %dist_reset, %dist_restart, %dist_debug, %dist_view, %dist_status.
+"""The session's life: %dist_init, %dist_shutdown, %dist_reset, %dist_restart, %dist_debug, %dist_view,
+%dist_status, %dist_where.
 
 The part of the session magics (session.py) that starts, stops, restarts and inspects the
 ranks, and chooses how cells show them::
@@ -9,6 +10,7 @@ ranks, and chooses how cells show them::
     %dist_shutdown / %dist_reset ──> Session.close() (reset: options forgotten too)
     %dist_debug / %debug ──> Session.debug(rank): pdb on the rank, through the frontend's prompt
     %dist_view lines|tabs, %dist_status (status.py's table)
+    %dist_where ──> Session.where(): each rank's stack and the collectives it waits in
 
 Like rank_cells.py's RankCells, its class is mixed into SessionMagics, which registers it.
 """
@@ -45,7 +47,8 @@ def session_lifecycle_class() -> type:
     from ..wire.errors import RankError
 
     class SessionLifecycle(RankCells):
-        """%dist_init, %dist_shutdown, %dist_reset, %dist_restart, %dist_debug, %dist_view, %dist_status."""
+        """%dist_init, %dist_shutdown, %dist_reset, %dist_restart, %dist_debug, %dist_view, %dist_status,
+        %dist_where."""
 
         _ipython_debug: Optional[Callable[[str], Any]]  # IPython's own %debug, while ours stands in
 
@@ -312,5 +315,22 @@ def session_lifecycle_class() -> type:
             mode = f"automatic mode {'on' if self._router.automatic else 'off'}"
             publish_display_data({"text/plain": f"{text}\n({mode})",
                                   "text/html": f"{table}<p>{html.escape(mode)}</p>"})
+
+        @line_magic
+        def dist_where(self, line: str) -> None:
+            """Where each rank is: its Python stack (the cell's lines included) and the collectives it
+            waits in. Between cells a rank is idle; a cell left running on another thread (or a
+            rank still in one) shows where it is.
+
+            Example::
+
+                %dist_where
+            """
+            if line.strip():
+                raise usage("dist_where", f"it takes no arguments, not {line.strip()!r}", "%dist_where")
+            if self._session is None or self._session.closed:
+                print("No ranks: %dist_init -n N starts them.")
+                return
+            print(self._session.where())
 
     return SessionLifecycle

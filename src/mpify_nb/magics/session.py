@@ -24,7 +24,7 @@ Where a cell goes (the kernel is never a rank)::
 The Session (session/session.py, a package beside magics/) owns the processes, the channels, output
 relay, interrupts and errors. This module builds the one magics class and holds the default
 session; its magics come from two mixins, each with a job: the session's life (lifecycle.py:
-%dist_init, %dist_shutdown, %dist_reset, %dist_restart, %dist_debug, %dist_view, %dist_status)
+%dist_init, %dist_shutdown, %dist_reset, %dist_restart, %dist_debug, %dist_view, %dist_status, %dist_where)
 and cells and data (cells_and_data.py: %%distributed, %%rank, %%local, %dist_push, %dist_pull,
 %sync, %dist_mode). Running a rank cell is rank_cells.py's job (their common base), where a
 cell goes router.py's, the status table status.py's.

@@ -1,8 +1,8 @@
 """Everything that runs inside a rank process, from its birth to its exit.
 
 ``loop`` (every rank's one request loop; a ``ranch`` rank's one CALL), ``control`` (the control
-thread: stdin answers, interrupts, the caller's death), ``session`` (a persistent rank's requests),
-``group`` (its process group), ``stdin``, ``display`` and ``mpl_backend``, ``comms`` (widgets),
+thread: stdin answers, interrupts, the caller's looks, the caller's death), ``session`` (a persistent rank's
+requests), ``group`` (its process group), ``stdin``, ``display`` and ``mpl_backend``, ``comms`` (widgets),
 ``debugger`` (the frontend's debugger panel: pydevd on a socketpair, relayed on the control channel)
 and ``process`` (what each of our processes does for itself). The caller's half of each capability is
 in ``engine/``.

@@ -1,61 +1,60 @@
 """A rank's control thread: what its caller says while the main thread runs a request.
 
 Every rank has one (a ``ranch`` rank from the moment it runs its call, on its channel; a
-Session's rank from birth, on its control channel)::
+Session's rank from birth, on its control channel). It only answers: between the caller's
+frames it sleeps in ``recv``, so it costs a training loop nothing::
 
     caller ── ANSWER (token, line) ──> deliver to the user's input() / pdb (rank/stdin.py)
            ── INTERRUPT req ─────────> SIGINT to the main thread, only while it runs req (a
                                        thread the debugger holds at a breakpoint is let go first)
+           ── LOOK round ────────────> look at the main thread and torch's recorder
+           <── SEEN round snapshot ──  (torchdist/waits.py: what it waits in, where it is),
+           <── ASK req RAW ──────────  and at a read of fd 0 by C code (rank/stdin.py)
+           ── PEEK_STDIN ────────────> its stdout holds a partial line: a read of fd 0 after
+           <── ASK req RAW ──────────  it (pdb's prompt on a /dev/stdin opened again)?
            ── <kind> req body ───────> the handler registered for <kind> (on()): a Session's
-                                       PEEK / ABORT_GROUP, a capability's frames (which
-                                       answers, from any thread, with to_caller())
-           <── ASK req RAW ──────────  a read of fd 0 by C code, seen from /proc (rank/stdin.py)
-           <── COLLECTIVE req waits ─  with ``watch_stack``: what the main thread waits on
-                                       in torch.distributed (torchdist/waits.py), when it changes
+                                       ABORT_GROUP, a capability's frames (which answers,
+                                       from any thread, with to_caller())
      (control channel closes) ───────> the caller is gone: flush, end what we started, die
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import pickle
-import select
 import signal
 import socket
 import threading
 import time
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, NoReturn, Optional
 
 from ..torchdist import waits
 from ..wire import framing
-from ..wire.protocol import ANSWER, ASK, COLLECTIVE, INTERRUPT, NO_REQUEST, WATCH, pack, unpack
+from ..wire.protocol import ANSWER, ASK, INTERRUPT, LOOK, NO_REQUEST, PEEK_STDIN, SEEN, pack, unpack
 from . import process, stdin
-
-#: How often the control thread looks at what the main thread is doing while it runs a request.
-WATCH_PERIOD = 0.05
 
 
 class RankState:
     """What the main thread is doing, shared with the control thread."""
 
-    def __init__(self, watch_stack: bool = False) -> None:
+    def __init__(self, rank: int = -1) -> None:
         self.lock = threading.Lock()
+        self.rank = rank
         self.request = NO_REQUEST  # the request the main thread runs now
         self.in_user_code = False  # SIGINT raises KeyboardInterrupt only then
         self.deferring = False  # the user's code sends a message: an interrupt waits for its end
         self.deferred = False  # an interrupt came meanwhile
         self.main_ident = threading.get_ident()
-        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.watch_stack = watch_stack  # report COLLECTIVE (a Session's rank)
-        self.recorder_for = NO_REQUEST  # the request for which the caller asked us to read the recorder
+        self.main_native: Optional[int] = threading.get_native_id()
 
     def begin(self, req_id: int) -> None:
         """The main thread starts request ``req_id`` (NO_REQUEST: it is done)."""
         with self.lock:
             self.request = req_id
-        if req_id != NO_REQUEST:
-            os.write(self.wake_w, b"w")  # the control thread starts watching
+
+    def snapshot(self, stack: bool = False) -> waits.Snapshot:
+        """A look at this rank now (torchdist/waits.py)."""
+        return waits.snapshot(self.rank, self.main_ident, self.main_native, stack=stack)
 
 
 #: kind -> handler(state, control channel, request id, body), run on the control thread.
@@ -130,67 +129,49 @@ def _interrupt(state: RankState, control: socket.socket, req_id: int, body: Any)
             signal.pthread_kill(state.main_ident, signal.SIGINT)
 
 
-def _watch(state: RankState, control: socket.socket, req_id: int, body: Any) -> None:
-    state.recorder_for = req_id
+def _look(state: RankState, control: socket.socket, req_id: int, body: Any) -> None:
+    """The caller looks (engine/watch.py): a read of fd 0 that waits is asked of the user, and
+    what the main thread waits in goes back, with the round's number."""
+    request = state.request
+    if request != NO_REQUEST and stdin.raw_read_waiting():  # C code, or /dev/stdin opened again, reads fd 0
+        send(control, pack(ASK, request, pickle.dumps(stdin.RAW)))
+    asked = pickle.loads(body) if len(body) else {}
+    send(control, pack(SEEN, req_id, pickle.dumps(state.snapshot(stack=bool(asked.get("stack"))))))
+
+
+#: After a partial line on stdout, a read of fd 0 is looked for this long after (it follows
+#: the prompt by microseconds, or by a few milliseconds on a loaded machine).
+PEEK_DELAYS = (0.0, 0.01, 0.05, 0.15)
+
+
+def _peek_stdin(state: RankState, control: socket.socket, req_id: int, body: Any) -> None:
+    """Its stdout holds a line without its end (the caller saw it): a prompt before a read of fd 0
+    (pdb on a /dev/stdin opened again, C code)? Asked of the user before the caller shows it."""
+    for delay in PEEK_DELAYS:
+        if delay:
+            time.sleep(delay)
+        request = state.request
+        if request == NO_REQUEST:
+            return
+        if stdin.raw_read_waiting(quick=True):
+            send(control, pack(ASK, request, pickle.dumps(stdin.RAW)))
+            return
 
 
 on(ANSWER, lambda state, control, req_id, body: stdin.deliver(*pickle.loads(body)))
 on(INTERRUPT, _interrupt)
-on(WATCH, _watch)
+on(LOOK, _look)
+on(PEEK_STDIN, _peek_stdin)
 
 
 def _loop(control: socket.socket, state: RankState) -> None:
-    """Frames from the caller, and the looks at the main thread while it runs a request; if
-    the caller goes away (its end closes), end this rank and everything it started."""
-    watched = NO_REQUEST
-    reported: list[waits.Wait] = []
-    next_raw = next_watch = 0.0
+    """Frames from the caller, each to its handler; if the caller goes away (its end closes),
+    end this rank and everything it started."""
     while True:
-        busy = state.request != NO_REQUEST
-        wait = max(0.0, min(next_raw, next_watch) - time.monotonic()) if busy else None
-        ready = select.select([control, state.wake_r], [], [], wait)[0]
-        if state.wake_r in ready:
-            try:
-                os.read(state.wake_r, 4096)
-            except BlockingIOError:
-                pass
-        if control in ready:
-            try:
-                message = framing.recv(control)
-            except (OSError, EOFError):
-                message = None
-            if message is None:
-                caller_gone()
-            kind, req_id, body = unpack(message[0])
-            handler = _handlers.get(kind)
-            if handler is not None:
-                handler(state, control, req_id, body)
-        request = state.request
-        now = time.monotonic()
-        if request != watched:
-            # A request has just begun: no look until it has run a while (most end within a
-            # millisecond, and a look takes the GIL from them).
-            watched, reported = request, []
-            next_raw, next_watch = now + stdin.RAW_READ_PERIOD, now + WATCH_PERIOD
-            if not state.watch_stack:
-                next_watch = float("inf")
-        if request == NO_REQUEST:
-            continue
-        if now >= next_raw:
-            next_raw = now + stdin.RAW_READ_PERIOD
-            if stdin.raw_read_waiting():  # C code, or /dev/stdin opened again, reads fd 0
-                send(control, pack(ASK, request, pickle.dumps(stdin.RAW)))
-        if now < next_watch:
-            continue
-        next_watch = now + WATCH_PERIOD
-        found = waits.waits_of(state.main_ident, recorder=state.recorder_for == request)
-        # Where it waits is the line it blocks on now (an async collective is issued on one
-        # line and waited for on a later one).
-        where = waits.user_line(state.main_ident) if found else None
-        found = [dataclasses.replace(w, where=where) for w in found]
-        if found != reported:
-            reported = found
-            send(control, pack(COLLECTIVE, request, pickle.dumps(reported)))
+        kind, req_id, body = unpack(framing.recv_or(control, caller_gone)[0])
+        handler = _handlers.get(kind)
+        if handler is not None:
+            handler(state, control, req_id, body)
 
 
 def caller_gone() -> NoReturn:

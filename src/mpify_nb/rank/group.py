@@ -61,7 +61,7 @@ def init_group(rendezvous: tuple[str, int, bool], listen_fd: Optional[int]) -> N
                          master_listen_fd=listen_fd, **compat.listen_fd_store_options())
     else:
         store = TCPStore(addr, port, world, is_master=False, timeout=timeout)
-    waits.enable_recorder()  # the collective watch reads what the group records (torchdist/waits.py)
+    waits.enable_recorder()  # the caller's watch reads what the group records (torchdist/waits.py)
     with compat.quiet_gloo_banner():
         dist.init_process_group(backend=_group["backend"], rank=rank, world_size=world, store=store)
 
@@ -169,6 +169,20 @@ def _tcp_table() -> dict[str, tuple[str, str]]:
         except OSError:
             continue
     return table
+
+
+def abort_nccl() -> None:
+    """Abort this process's NCCL communicators (a collective waiting on them returns with an
+    error); nothing without an NCCL group."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            from torch.distributed import distributed_c10d
+
+            distributed_c10d._abort_process_group()
+    except Exception:
+        pass
 
 
 def destroy_group(abort: bool = False) -> None:

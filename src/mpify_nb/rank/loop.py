@@ -15,8 +15,9 @@ after it::
       |<------------------------------ READY --|
       | -- GO (once every rank is READY) ----->|  so no rank enters a rendezvous that a
       |                                        |  rank which failed to load would never join
-      |                                        |  control thread on the channel (stdin, caller death)
+      |                                        |  control thread on the channel (stdin, LOOK, caller death)
       |                                        |  with ctx: value = fn(*args, **kwargs)
+      |<------------- RETURNED (its Snapshot) -|  (with a group: before ctx.__exit__ tears it down)
       |<--------------- DONE (pickle; memfds) -|  or
       |<--------- FAIL (RemoteFailure, ...) ---|
       |                                        |  flush, os._exit(0)
@@ -37,11 +38,12 @@ import pickle
 import socket
 import sys
 import types
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Optional
 
+from ..torchdist import p2p, waits
 from ..wire import framing, payload
 from ..wire.errors import RemoteFailure, safe_str
-from ..wire.protocol import CALL, DONE, FAIL, IMPORTED, NO_REQUEST, READY, pack, unpack
+from ..wire.protocol import CALL, DONE, FAIL, IMPORTED, NO_REQUEST, READY, RETURNED, pack, unpack
 from . import control, process, session
 from .control import RankState
 
@@ -77,7 +79,7 @@ def main(channel_fd: int, expected_parent: int) -> None:
     except BaseException as e:
         _send_failure(channel, NO_REQUEST, e, f"rank {rank} could not start")
         process.end(0)
-    state = RankState()
+    state = RankState(int(rank))
     control.connect(channel, state)
     requests: dict[bytes, control.Request]
     if config.get("session"):  # a persistent rank of a Session: serve requests until closed
@@ -128,6 +130,7 @@ def _one_call(channel: socket.socket, state: RankState, req: int, body: Any, fds
     except BaseException as e:
         _send_failure(channel, req, e, f"rank {rank} could not load the call")
         process.end(0)
+    p2p.install()  # isend/irecv note their peers for the caller's looks (torch already imported)
     framing.send(channel, pack(READY, req))
     if framing.recv(channel) is None:  # no GO: the caller gave up (another rank failed to load)
         process.end(0)
@@ -136,6 +139,7 @@ def _one_call(channel: socket.socket, state: RankState, req: int, body: Any, fds
     try:
         if ctx is None:
             value = fn(*args, **kwargs)
+            _returned(channel, state, req)
         else:
             with ctx:
                 try:
@@ -144,10 +148,11 @@ def _one_call(channel: socket.socket, state: RankState, req: int, body: Any, fds
                     # Report first and leave without ctx.__exit__: tearing the group down
                     # would make the peers fail ("Connection closed by peer"), and their
                     # echo could reach the caller before this, the root cause.
-                    _send_failure(channel, req, e)
+                    _send_failure(channel, req, e, state=state)
                     process.end(0)
+                _returned(channel, state, req)
     except BaseException as e:
-        _send_failure(channel, req, e)
+        _send_failure(channel, req, e, state=state)
         process.end(0)
     try:
         data, out_fds = payload.pack_result(value)
@@ -200,18 +205,35 @@ def _apply(config: dict) -> None:
             pass
 
 
-def _failure(exc: BaseException, req: int) -> bytes:
+def _returned(channel: socket.socket, state: RankState, req: int) -> None:
+    """fn returned on a rank that made a group: what it issued goes to the caller before the
+    group is torn down, so a peer left waiting in a collective it never joined is told that,
+    not gloo's "Connection closed by peer" (engine/watch.py)."""
+    try:
+        snap = waits.snapshot_of_return(state.rank)
+        if snap is not None:
+            framing.send(channel, pack(RETURNED, req, pickle.dumps(snap)))
+    except Exception:
+        pass  # only a clearer error is lost
+
+
+def _failure(exc: BaseException, req: int, rank: int = -1) -> bytes:
     failure = RemoteFailure.capture(exc, lambda e: payload.dumps(e)[0])
+    try:
+        failure.context = waits.snapshot_of_failure(rank, exc)  # raised in a collective: which one
+    except Exception:
+        pass
     return pack(FAIL, req, pickle.dumps((failure, False, {})))
 
 
-def _send_failure(channel, req: int, exc: BaseException, context: str = "") -> None:
+def _send_failure(channel, req: int, exc: BaseException, context: str = "",
+                  state: Optional[RankState] = None) -> None:
     if context:
         try:
             raise RuntimeError(f"{context}: {type(exc).__name__}: {safe_str(exc)}") from exc
         except RuntimeError as wrapped:
             exc = wrapped
-    reply = _failure(exc, req)
+    reply = _failure(exc, req, state.rank if state is not None else -1)
     process.flush_stdio()
     _report_imports(channel, req)
     control.send(channel, reply)

@@ -13,9 +13,8 @@ socketpair. It then never exits on its own::
     channel      <── ABORTED ──────────────────────────  thread (only while it runs req);
                                                           cut the connections to the peers and
                                                           destroy the group (unsticks them);
-                 ── WATCH req ─────────────────────────> read torch's recorder too, while req runs
-                 <── COLLECTIVE (req, waits) ──────────  what the main thread waits on (torchdist/waits.py)
-                 ── PEEK req / <── ISSUED ─────────────  this rank's count of each group's collectives
+                 ── LOOK round ────────────────────────> what the main thread waits in, torch's
+                 <── SEEN (round, snapshot) ───────────  recorder (torchdist/waits.py)
                  ── DEBUG / <── DEBUG ─────────────────  the frontend's debugger (rank/debugger.py)
                   (control channel closes) ───────────> the caller is gone: kill self
 
@@ -41,7 +40,6 @@ import sys
 import threading
 from typing import Any
 
-from ..torchdist import waits
 from ..wire import payload
 from ..wire.errors import PayloadError, RemoteFailure, safe_str
 from ..wire.protocol import (
@@ -55,10 +53,8 @@ from ..wire.protocol import (
     DONE,
     FAIL,
     GROUP,
-    ISSUED,
     MISSING,
     NO_REQUEST,
-    PEEK,
     PULL,
     PUSH,
     READY,
@@ -80,7 +76,6 @@ def start(channel: socket.socket, config: dict, fds: list[int], state: RankState
     session = config["session"]
     namespace = sys.modules["__main__"].__dict__
     signal.signal(signal.SIGINT, lambda signum, frame: _on_sigint(state))
-    state.watch_stack = True
     rank_control.start(control, state)
     ready: dict = {}
     rank_display.install(lambda bundle: _send_display(channel, state, bundle))
@@ -109,12 +104,7 @@ def _abort_group(state: RankState, control: socket.socket, req_id: int, body: An
     rank_control.send(control, pack(ABORTED, req_id))  # the caller rebuilds only after every ack
 
 
-def _peek(state: RankState, control: socket.socket, req_id: int, body: Any) -> None:
-    rank_control.send(control, pack(ISSUED, req_id, pickle.dumps(waits.issued_counts())))
-
-
 rank_control.on(ABORT_GROUP, _abort_group)
-rank_control.on(PEEK, _peek)
 rank_control.on(COMM_ACK, lambda state, control, req_id, body: comms.acked(pickle.loads(body)))
 
 

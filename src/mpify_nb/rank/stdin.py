@@ -4,16 +4,16 @@ A rank has no terminal; its fd 0 was /dev/null, so ``breakpoint()`` quit at once
 ``input()`` raised EOFError. Now every read asks the caller, which asks the user through
 the frontend's own input prompt (engine/prompts.py), and the answer comes back::
 
-    rank (any thread)                                 rank's reader thread (Session: control
-    -----------------                                 thread; ranch: watchdog)
+    rank (any thread)                                 rank's control thread
     input() / pdb / sys.stdin.readline()
       RankStdin.readline: flush stdout,
       ASK (token) ── channel ──> caller ── the user answers ── ANSWER (token, line) ──> deliver():
       waits for its token <───────────────────────────────────────────────────────── the waiting
                                                                                         readline
     C code, or a /dev/stdin reopened (torch.distributed.breakpoint), reads fd 0 (a pipe):
-      the reader thread sees the read (raw_read_waiting: /proc/self/task/*/syscall), ASKs
-      with token RAW, and deliver() writes the answer into the pipe.
+      when the caller looks at the rank (engine/watch.py: LOOK, twice a second or less while
+      a request runs), its control thread sees the read (raw_read_waiting:
+      /proc/self/task/*/syscall), ASKs with token RAW, and deliver() writes the answer into the pipe.
 
 An answer is a line, ``None`` (end of file), or a message: the read raises
 ``StdinUnavailableError`` with it (a frontend that cannot answer), or KeyboardInterrupt
@@ -122,20 +122,20 @@ def _end_raw_read() -> None:
     os.close(old)  # the blocked read, on the old pipe, returns 0
 
 
-#: How often a rank's reader thread looks for a read of fd 0 itself: the user's thread each
-#: time (one pread of a /proc file it keeps open), every thread and every child process at
-#: every EVERY_THREAD-th look.
-RAW_READ_PERIOD = 0.02
-EVERY_THREAD = 10
+#: A read of fd 0 itself is looked for when the caller looks at the rank: on the user's thread
+#: each time (one pread of a /proc file it keeps open), on every thread and every child process
+#: at every EVERY_THREAD-th look.
+EVERY_THREAD = 3
 _looks = itertools.count()
 
 
-def raw_read_waiting() -> bool:
+def raw_read_waiting(quick: bool = False) -> bool:
     """Is a thread of this process blocked reading our stdin pipe itself (fd 0, or a
-    /dev/stdin opened again), not through sys.stdin? Then send it an ASK (once)."""
+    /dev/stdin opened again), not through sys.stdin? Then send it an ASK (once).
+    ``quick``: the user's thread only (one pread)."""
     if _state.send_ask is None or _state.raw_asked or _unread(_state.pipe_w):
         return False  # asked already, or the last answer is not read yet
-    every_thread = next(_looks) % EVERY_THREAD == 0
+    every_thread = not quick and next(_looks) % EVERY_THREAD == 0
     try:
         tasks = os.listdir("/proc/self/task") if every_thread else []
     except OSError:

@@ -27,6 +27,10 @@ _PARTIAL_WAIT = 0.1  # how long a partial line waits for its end before it is sh
 #: A partial line (or a bar's state) this long is shown at once: what waits for its end stays
 #: bounded, so relaying costs time linear in the output's size, however long a line is.
 _LONG_LINE = _CHUNK
+#: A rank's new partial line is told to on_partial at most this often.
+_PARTIAL_TELL = 0.2
+#: Outside Jupyter the status line is a line on stderr: one at most this often.
+STATUS_TEXT_INTERVAL = 30.0
 
 
 def _underlying(stream: TextIO) -> TextIO:
@@ -54,6 +58,11 @@ class RankOutput:
         #: where a call's output goes instead of the streams: sink(rank, "stdout"|"stderr", text),
         #: raw (a per-rank view: no labels, no line assembly; see magics/views.py)
         self._sink: Optional[ViewFeed] = None
+        self._status: Optional[Bar] = None  # the call's live status line (status())
+        #: on_partial(rank): a rank's stdout holds a line without its end (a prompt, maybe: pdb's
+        #: "(Pdb) " before a read of fd 0 that only a look at the rank sees; engine/core.py)
+        self.on_partial: Optional[Callable[[int], None]] = None
+        self._partial_told: dict[int, float] = {}  # fd -> when on_partial was last called for it
         self._lock = threading.Lock()
 
     def retarget(self, stdout: TextIO, stderr: TextIO,
@@ -67,6 +76,34 @@ class RankOutput:
             self._targets = (stdout, stderr)
             self._trackers = (LineTracker(stdout, self._cond), LineTracker(stderr, self._cond))
             self._display = notebook_display(stdout)
+
+    def status(self, text: Optional[str]) -> None:
+        """The call's one live status line (engine/watch.py: what ranks have waited in for a
+        while): drawn, redrawn in place, or emptied (``None``, and at the end of the call). In
+        Jupyter a display line; elsewhere a line on stderr at most every ``STATUS_TEXT_INTERVAL``."""
+        with self._lock:
+            line = self._status
+            if text is None:
+                if line is not None and line.handle is not None and line.shown and self._display is not None:
+                    line.draw(self._display, {"text/plain": ""}, lambda: None)
+                self._status = None
+                return
+            if line is None:
+                line = self._status = Bar(time.monotonic())
+            if text == line.shown:
+                return
+            now = time.monotonic()
+            display = self._display
+            if display is not None:
+                line.draw(display, {"text/plain": text}, self._flush_targets)
+            elif line.last_shown is None or now >= line.last_shown + STATUS_TEXT_INTERVAL:
+                try:
+                    self._trackers[1].write(text + "\n")
+                except Exception:
+                    pass
+            else:
+                return
+            line.shown, line.last_shown = text, now
 
     def _emit(self, fd: int, where: tuple[int, int], chunk: bytes) -> None:
         if self._sink is not None:
@@ -85,6 +122,7 @@ class RankOutput:
                 self._to_sink(fd, where, self._pending[fd])
             elif cut or fd not in self._partial_since:
                 self._partial_since[fd] = time.monotonic()
+                self._tell_partial(fd, where)
             return
         # What is pending holds no line end, so only the new chunk is searched for one.
         cut = max(chunk.rfind(b"\n"), chunk.rfind(b"\r")) + 1
@@ -110,6 +148,19 @@ class RankOutput:
             self._show_partial(fd, where)  # it would only grow while it waits for its end
         elif cut or fd not in self._partial_since:
             self._partial_since[fd] = time.monotonic()
+            self._tell_partial(fd, where)
+
+    def _tell_partial(self, fd: int, where: tuple[int, int]) -> None:
+        """A partial line begins on a rank's stdout: tell on_partial, at most every
+        ``_PARTIAL_TELL`` seconds per rank (a rank printing dots costs it little)."""
+        now = time.monotonic()
+        if self.on_partial is None or where[1] != 0 or now < self._partial_told.get(fd, 0.0) + _PARTIAL_TELL:
+            return
+        self._partial_told[fd] = now
+        try:
+            self.on_partial(where[0])
+        except Exception:
+            pass  # a prompt shown a little later is all that is lost
 
     def _lines(self, fd: int, where: tuple[int, int], data: bytes) -> None:
         """Whole lines from ``fd``: plain ones are written out labelled; a line with a carriage

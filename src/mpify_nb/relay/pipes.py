@@ -336,6 +336,7 @@ class OutputRelay(RankOutput):
             fd = next((f for f, where in self._where.items() if where == (rank, 0)), None)
             if fd is None or fd in self._bars:
                 return ""
+            self._partial_told.pop(fd, None)  # after its answer, its next prompt is told at once
             self._read(fd, (rank, 0))
             return self._take_partial(fd, (rank, 0))
 

@@ -1,8 +1,9 @@
 """A Session's calls: send one request to the ranks, wait for every answer, stop it when asked.
 
 One call at a time (a lock); its wait loop is the engine's pump, with the timeout (time a rank
-waits for the user not counted), the stop button and the collective watch (session/recovery.py)
-between its turns. The public calls that use it are session/session.py's.
+waits for the user not counted), the stop button and the collective watch (engine/watch.py;
+what the Session does about a verdict: session/recovery.py) between its turns. The public calls
+that use it are session/session.py's.
 """
 
 from __future__ import annotations
@@ -23,13 +24,6 @@ from .recovery import SessionRecovery
 
 Ranks = Union[int, Iterable[int], None]
 
-#: How long a rank must sit in a collective while some other rank is idle before the
-#: call gives up on it (the idle rank will never join).
-COLLECTIVE_GRACE = 0.3
-#: How long a rank runs on while some other rank is not running the call before it is asked
-#: to read torch's recorder (the collective watch's first look).
-_WATCH_AFTER = 0.05
-
 
 class SessionCalls(SessionRecovery):
     """A Session's one call at a time."""
@@ -43,6 +37,10 @@ class SessionCalls(SessionRecovery):
         self.timeout: Optional[float] = None  # the default time limit of a call
         #: the error the last failed call raised (debug() starts at its root-cause rank)
         self.last_error: Optional[RankError] = None
+        # where() from another thread while a call runs: the call's loop looks, and says when done
+        self._where_asked = threading.Event()
+        self._where_done = threading.Event()
+        self._where_seen: dict[int, Any] = {}
 
     def _targets(self, ranks: Ranks) -> list[int]:
         if ranks is None:
@@ -87,11 +85,15 @@ class SessionCalls(SessionRecovery):
                 self._engine.starting_call(members)  # capabilities first (the debugger attaches new ranks)
                 for m in members:
                     self._send_request(m, kind, req, body, fds, label)
+                self._begin_watch(req, members)
+                if len(members) < len(self._members):
+                    self._engine.watch.soon()  # ranks outside the call: a collective may wait for them
                 return self._wait(members, req, timeout)
             except RankError as e:
                 self.last_error = e
                 raise
             finally:
+                self._engine.watch.end()
                 self._engine.close_prompts()
                 with self._flag_lock:
                     self._current = NO_REQUEST
@@ -115,8 +117,8 @@ class SessionCalls(SessionRecovery):
 
     def _wait(self, members: list[Member], req: int, timeout: Optional[float]) -> dict[int, Any]:
         deadline = None if timeout is None else time.monotonic() + timeout
-        stuck_since: Optional[float] = None
-        partial_since: Optional[float] = None  # since when some rank has not been running req
+        watch = self._engine.watch
+        running = len(members)
         try:
             while True:
                 dead = [m for m in members if not m.alive]
@@ -125,42 +127,73 @@ class SessionCalls(SessionRecovery):
                 if dead:
                     self._stop(members, req)
                     raise merge_rank_errors([m.exit_error or RankExitedError(m.rank, None) for m in dead])
-                if all(m.req != req for m in members):
+                still = sum(m.req == req for m in members)
+                if not still:
                     break
+                if still < running:
+                    running = still
+                    watch.soon()  # a rank finished: one still running may wait for it in a collective
                 if self._interrupt_asked:
                     raise KeyboardInterrupt
-                now = time.monotonic()
                 wait = self._engine.time_left(deadline)  # time a rank waits for the user is not the call's
                 if wait is not None and wait <= 0:
                     assert timeout is not None  # a deadline comes from it
-                    running = [m.rank for m in members if m.req == req]
+                    running_ranks = [m.rank for m in members if m.req == req]
+                    where = self._where(req)
                     self._stop(members, req)
-                    raise TimeoutError(_timed_out(timeout, running, [m.rank for m in members if m.req == req]))
-                if self.ddp:
-                    if partial_since is None and not all(m.alive and m.req == req for m in self._members.values()):
-                        partial_since = now
-                    if partial_since is not None:
-                        # A rank that runs on alone a while reads torch's recorder; most finish
-                        # within a millisecond of the others, and a look costs them time.
-                        left = partial_since + _WATCH_AFTER - now
-                        if left <= 0:
-                            self._watch_recorders(req)
-                        else:
-                            wait = left if wait is None else min(wait, left)
-                    stuck, missing = self._stuck(req)
-                    if stuck and missing:
-                        stuck_since = stuck_since or now
-                        if now - stuck_since >= COLLECTIVE_GRACE:
-                            self._collective_failed(members, req, stuck, missing)
-                        left = stuck_since + COLLECTIVE_GRACE - now
-                        wait = left if wait is None else min(wait, left)
-                    else:
-                        stuck_since = None
+                    raise TimeoutError(_timed_out(timeout, running_ranks, [m.rank for m in members if m.req == req],
+                                                  where))
+                if self._where_asked.is_set():
+                    self._answer_where()
+                looks = watch.tick()
+                if watch.verdict is not None and self.ddp:
+                    self._collective_failed(members, req, watch.verdict)
+                if looks is not None:
+                    wait = looks if wait is None else min(wait, looks)
                 self._engine.pump(wait)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
+            where = watch.where_text() if not e.args else ""  # the last look (the button: no new one)
             self._stop(members, req)
+            if where:
+                raise KeyboardInterrupt(f"interrupted; where the ranks were: {where}") from None
             raise
         return self._results(members)
+
+    def _answer_where(self) -> None:
+        """where() asked from another thread: look at every rank (with stacks), on this thread."""
+        self._where_asked.clear()
+        try:
+            self._where_seen = self._engine.watch.look_now(self._engine.pump, stack=True, within=1.0)
+        finally:
+            self._where_done.set()
+
+    def _look_at_ranks(self, timeout: float) -> dict[int, Any]:
+        """Every live rank's snapshot, with its stack: from the running call's loop when one runs
+        (on another thread), else from here."""
+        self._where_done.clear()
+        self._where_asked.set()
+        self._engine.wake()
+        deadline = time.monotonic() + timeout
+        while not self._where_done.wait(0.05):
+            if self._call_lock.acquire(blocking=False):  # no call runs (or it just ended): look from here
+                try:
+                    self._where_asked.clear()
+                    self._check_open()
+                    return self._look_between_calls(timeout)
+                finally:
+                    self._call_lock.release()
+            if time.monotonic() >= deadline:
+                self._where_asked.clear()
+                return {}
+        return dict(self._where_seen)
+
+    def _look_between_calls(self, timeout: float) -> dict[int, Any]:
+        watch = self._engine.watch
+        watch.begin(self.world_size, lambda: [m for m in self._members.values() if m.alive], dict)
+        try:
+            return watch.look_now(self._engine.pump, stack=True, within=min(timeout, 1.0))
+        finally:
+            watch.end()
 
     def _results(self, members: list[Member]) -> dict[int, Any]:
         values: dict[int, Any] = {}
@@ -190,13 +223,12 @@ def check_timeout(timeout: Optional[float]) -> None:
         raise ValueError(f"timeout must be a positive number of seconds or None, not {timeout!r}")
 
 
-def _timed_out(timeout: float, running: list[int], still: list[int]) -> str:
-    """What a call that ran out of time did to the ranks that were still running it."""
-    message = f"the call did not finish within {timeout:g} s (ranks still running: {running}); "
+def _timed_out(timeout: float, running: list[int], still: list[int], where: str = "") -> str:
+    """What a call that ran out of time did to the ranks that were still running it, and where they were."""
+    where = f"; where they were: {where}" if where else ""
+    message = f"the call did not finish within {timeout:g} s (ranks still running: {running}{where}); "
     if not still:
         return message + "they were interrupted, their state is kept"
     return message + (f"they were interrupted, but ranks {still} did not stop (C code that ignores "
                       f"interrupts?): they still run it, later calls wait for them, and "
                       f"restart({still}) replaces them")
-
-

@@ -20,19 +20,16 @@ from ..engine import comms, core, interrupts
 from ..relay.pipes import OutputRelay
 from ..start import placement
 from ..torchdist.groups import listen_on
-from ..torchdist.waits import Wait
 from ..wire import framing, payload
 from ..wire.errors import RankError, RankExitedError, RemoteFailure, merge_rank_errors
 from ..wire.protocol import (
     ABORTED,
-    COLLECTIVE,
     COMM_ACK,
     COMM_OUT,
     DISPLAY,
     DONE,
     FAIL,
     GROUP,
-    ISSUED,
     NO_REQUEST,
     READY,
 )
@@ -50,12 +47,6 @@ class Member(core.Member):
         self.device = "?"
         self.req = NO_REQUEST  # the request it runs for us now
         self.answer: Optional[tuple[bytes, Any, list[int]]] = None  # (kind, body, fds) for self.req
-        # what it waits on in torch.distributed for self.req (torchdist/waits.py)
-        self.waits: list[Wait] = []
-        self.watched = NO_REQUEST  # the request for which it reads torch's recorder
-        # {group name: number of its last collective} for the request self.issued_req
-        self.issued: Optional[dict[str, int]] = None
-        self.issued_req = NO_REQUEST
         self.gpu_memory: Optional[int] = None
         self.aborts = 0  # ABORT_GROUP sent and not yet acknowledged
         self.last_cell = ""
@@ -92,8 +83,7 @@ class SessionRanks:
         self._engine = core.Engine(OutputRelay(sys.stdout, sys.stderr), pump_output=True, persistent=True)
         self._members: dict[int, Member] = self._engine.members
         for kind, handler in ((READY, self._on_ready), (DISPLAY, self._on_display), (DONE, self._on_done),
-                              (FAIL, self._on_fail), (ABORTED, self._on_aborted),
-                              (COLLECTIVE, self._on_collective), (ISSUED, self._on_issued), (COMM_OUT, self._on_comm)):
+                              (FAIL, self._on_fail), (ABORTED, self._on_aborted), (COMM_OUT, self._on_comm)):
             self._engine.on(kind, handler)
         self._engine.on_death = self._on_death
         # widgets: ranks' comms twinned in the kernel; a frontend's message to one is a call on its
@@ -223,7 +213,7 @@ class SessionRanks:
 
     def _send_request(self, m: Member, kind: bytes, req: int, body: bytes, fds: list[int],
                       label: Optional[str]) -> None:
-        m.req, m.answer, m.waits = req, None, []
+        m.req, m.answer = req, None
         if label is not None:
             m.last_cell = label
             m.state = "running"
@@ -261,20 +251,11 @@ class SessionRanks:
             return
         m.answer = (kind, bytes(body) if len(body) < (1 << 20) else body, fds)
         m.req = NO_REQUEST
-        m.waits = []
         if m.state == "running":
             m.state = "idle"
 
     def _on_aborted(self, m: Member, req: int, body: Any, fds: list) -> None:
         m.aborts -= 1
-
-    def _on_collective(self, m: Member, req: int, body: Any, fds: list) -> None:
-        if req == m.req:
-            m.waits = pickle.loads(body)
-
-    def _on_issued(self, m: Member, req: int, body: Any, fds: list) -> None:
-        if req == m.issued_req:
-            m.issued = pickle.loads(body)
 
     def _on_comm(self, m: Member, req: int, body: Any, fds: list) -> None:
         """A rank's widget frame (rank/comms.py) to its twin comm in the kernel (engine/comms.py)."""
@@ -299,7 +280,6 @@ class SessionRanks:
         self._comms.close_rank(m.rank)  # widgets: its models close in the frontend
         self._engine.gone(m)  # a capability's (the debugger's threads of it exit)
         m.died_during = self._current
-        m.waits = []
         if m.answer is None:
             m.req = NO_REQUEST
         self._group_broken = self.ddp

@@ -1,11 +1,12 @@
-"""A Session's call that is stuck: stop it, find the collective a rank never joins, unstick, rebuild.
+"""A Session's call that is stuck: stop it, unstick a collective that can never finish, rebuild.
 
-A rank blocked in a collective that a peer of its group will never issue (the peer is idle,
-finished, failed or dead) would wait forever: the caller sees it from the ranks' control
-threads (COLLECTIVE, torchdist/waits.py; PEEK / ISSUED), aborts the group under them (ABORT_GROUP: every
-rank cuts its connections to the others, see rank/group.py) and raises CollectiveError; once
-every rank is idle again, the group is rebuilt in place (GROUP), Python state kept. The stop
-button and timeouts stop a call the same way (``_stop``).
+A rank blocked in a collective that can never finish (a peer of its group is idle, finished,
+failed or dead and never issued it; or the ranks' collectives cannot match) would wait forever:
+the engine's collective watch sees it (engine/watch.py, engine/verdict.py), the Session aborts
+the group under the ranks (ABORT_GROUP: every rank cuts its connections to the others, see
+rank/group.py) and raises CollectiveError; once every rank is idle again, the group is rebuilt
+in place (GROUP), Python state kept. The stop button and timeouts stop a call the same way
+(``_stop``), saying where each rank was.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from __future__ import annotations
 import pickle
 import time
 
-from ..torchdist.waits import Wait
+from ..engine.verdict import Verdict
 from ..wire import payload
-from ..wire.errors import CollectiveError, RankError, RankExitedError, merge_rank_errors, source_location
-from ..wire.protocol import ABORT_GROUP, FAIL, INTERRUPT, NO_REQUEST, PEEK, WATCH
+from ..wire.errors import CollectiveError, RankError, RankExitedError, merge_rank_errors
+from ..wire.protocol import ABORT_GROUP, FAIL, INTERRUPT, NO_REQUEST
 from .ranks import Member, SessionRanks, failure_of
 
 #: After an interrupt, how long ranks still running get before their group is destroyed
@@ -29,52 +30,23 @@ _STOP_PATIENCE = 5.0
 class SessionRecovery(SessionRanks):
     """What a Session does when a call is stuck, stopped or timed out."""
 
-    def _watch_recorders(self, req: int) -> None:
-        """Some rank is not running ``req`` (idle, finished, failed, dead): the ranks that still
-        run it read torch's recorder for collectives they wait on (torchdist/waits.py): it sees waits
-        that a frame does not (Work.wait(), DTensor, DDP's hooks on autograd threads)."""
-        for m in self._members.values():
-            if m.alive and m.req == req and m.watched != req:
-                m.watched = req
-                self._engine.send_control(m, WATCH, req)
+    def _begin_watch(self, req: int, members: list[Member]) -> None:
+        """The collective watch looks at every live rank during call ``req`` (engine/watch.py)."""
+        def absent() -> dict[int, str]:
+            gone = {}
+            for m in self._members.values():
+                if not m.alive:
+                    gone[m.rank] = "died"
+                elif m.req != req:
+                    gone[m.rank] = ("raised" if m.answer is not None and m.answer[0] == FAIL else "finished the cell") \
+                        if m in members else "idle"
+            return gone
 
-    def _stuck(self, req: int) -> tuple[list[Member], list[Member]]:
-        """Ranks waiting in a collective for this call, and the ranks of its group that will
-        never issue it: dead, or not running ``req`` and never having issued it (asked once
-        per call, by PEEK: a rank that ran an async collective and finished has joined)."""
-        absent = [m for m in self._members.values() if not m.alive or m.req != req]
-        if not absent:
-            return [], []
-        stuck: list[Member] = []
-        missing: dict[int, Member] = {}
-        for m in self._members.values():
-            if not (m.alive and m.req == req):
-                continue
-            for wait in m.waits:
-                peers = [a for a in absent if wait.ranks is None or a.rank in wait.ranks]
-                if wait.any_peer and any(r != m.rank and (wait.ranks is None or r in wait.ranks)
-                                         for r, other in self._members.items() if other not in absent):
-                    continue  # a rank it may be waiting for still runs
-                if wait.seq is not None and wait.group is not None:
-                    for a in peers:
-                        if a.alive and a.issued_req != req:
-                            a.issued_req, a.issued = req, None
-                            self._engine.send_control(a, PEEK, req)
-                    if any(a.alive and a.issued is None for a in peers):
-                        continue  # not known yet whether they joined it
-                    peers = [a for a in peers if not a.alive or (a.issued or {}).get(wait.group, 0) < wait.seq]
-                if peers:
-                    stuck.append(m)
-                    missing.update((a.rank, a) for a in peers)
-                    break
-        if not stuck:
-            return [], []
-        return stuck, [missing[r] for r in sorted(missing)]
+        self._engine.watch.begin(self.world_size, lambda: [m for m in self._members.values() if m.alive], absent)
 
-    def _collective_failed(self, members: list[Member], req: int, stuck: list[Member],
-                           missing: list[Member]) -> None:
+    def _collective_failed(self, members: list[Member], req: int, verdict: Verdict) -> None:
+        missing = [self._members[r] for r in verdict.missing if r in self._members]
         dead = [m for m in missing if not m.alive]
-        waiting = {m.rank: m.waits[0] for m in stuck if m.waits}
         errors = [failure_of(m) for m in missing if m.answer is not None and m.answer[0] == FAIL
                   and m.req == NO_REQUEST and m in members]
         for m in missing:
@@ -87,8 +59,8 @@ class SessionRecovery(SessionRanks):
             raise merge_rank_errors([m.exit_error or RankExitedError(m.rank, None) for m in dead])
         rebuilt = self._rebuild()
         self._raise_if_died_during(req)
-        raise CollectiveError([m.rank for m in stuck], [m.rank for m in missing], _describe(waiting),
-                              errors, rebuilt)
+        raise CollectiveError(verdict.waiting, verdict.missing, verdict.label or "a collective", errors, rebuilt,
+                              what=verdict.what, kind=verdict.kind, culprit=verdict.culprit)
 
     def _raise_if_died_during(self, req: int) -> None:
         """A rank that died during call ``req`` (while its group was aborted or rebuilt, say) is
@@ -96,6 +68,21 @@ class SessionRecovery(SessionRanks):
         died = [m for m in self._members.values() if not m.alive and m.died_during == req]
         if died:
             raise merge_rank_errors([m.exit_error or RankExitedError(m.rank, None) for m in died])
+
+    def _where(self, req: int) -> str:
+        """Where each rank running ``req`` is now (a look, waited for at most 0.3 s), in words."""
+        watch = self._engine.watch
+        if not watch.active:
+            return ""
+        try:
+            while True:
+                try:
+                    snaps = watch.look_now(self._engine.pump, within=0.3)
+                    return watch.where_text(snaps=snaps)
+                except KeyboardInterrupt:
+                    continue  # a second press: the look is short, finish it
+        except Exception:
+            return ""
 
     def _stop(self, members: list[Member], req: int) -> None:
         """Interrupt every rank still running ``req``; unstick collectives; rebuild the group
@@ -120,7 +107,7 @@ class SessionRecovery(SessionRanks):
                 # Blocked in a collective (seen on its stack), or in C++ that ignores SIGINT for
                 # longer (a DDP backward waiting on its all_reduce): cut the group under it.
                 if self.ddp and not aborted and (
-                        (now - start > _ABORT_AFTER and any(m.waits for m in running))
+                        (now - start > _ABORT_AFTER and any(self._waits_in_dist(m) for m in running))
                         or now - start > _ABORT_ANYWAY):
                     self._abort_group()
                     aborted = True
@@ -137,6 +124,11 @@ class SessionRecovery(SessionRanks):
                 m.answer = None
         if self._group_broken:
             self._rebuild()
+
+    def _waits_in_dist(self, m: Member) -> bool:
+        """Did the last look see ``m`` waiting in torch.distributed?"""
+        snap = self._engine.watch.snaps.get(m.rank)
+        return snap is not None and (snap.blocked is not None or bool(snap.label) or bool(snap.pending))
 
     def _settle(self, members: list[Member], req: int) -> None:
         """After an abort: wait (bounded) for the stuck ranks to come back, interrupting them
@@ -173,17 +165,5 @@ class SessionRecovery(SessionRanks):
             return True
         except RankError:
             return False
-
-
-
-def _describe(waiting: dict[int, Wait]) -> str:
-    """"dist.all_reduce (rank 0 at Cell In[7], line 6)": what the ranks were left waiting in."""
-    if not waiting:
-        return "a collective"
-    ops = sorted({w.op for w in waiting.values()})
-    places = [f"rank {r} at {source_location(w.where[0])}, line {w.where[1]}"
-              for r, w in sorted(waiting.items()) if w.where is not None]
-    text = " / ".join(op if "." in op else f"dist.{op}" for op in ops)
-    return f"{text} ({'; '.join(places)})" if places else text
 
 

@@ -18,8 +18,8 @@ Data flow of one ``run()``::
     wait loop, one select() over every rank's:
       work channel     <── DONE value / FAIL traceback ── main thread
       stdout/stderr    <── print(...) ─────────────────── main thread (and C code)
-      control channel  <── COLLECTIVE [waits] ─────────── control thread: what the rank waits
-                                                           on in torch.distributed (torchdist/waits.py)
+      control channel  <── SEEN snapshot ─────────────── control thread, when the watch looks (LOOK):
+                                                           what the rank waits in (torchdist/waits.py)
       pidfd            <── readable when the rank dies
       wake pipe        <── interrupt() from any thread, SIGINT, close()
     relay: "[rank k] ..." lines into the cell running now (written on the caller's thread)
@@ -27,11 +27,12 @@ Data flow of one ``run()``::
 When the call is stuck, the caller acts (``_stop``, ``_collective_failed``)::
 
     interrupt / timeout  ── INTERRUPT req ──> control thread: SIGINT to the main thread
-    some rank not running req (idle, finished, failed, dead):
-                         ── WATCH req ─────> the ranks still running req read torch's recorder
-                         ── PEEK req ──────> a rank not running req, once a collective of its
-                         <── ISSUED ───────  group waits: its count of the group's collectives
-    some rank waits on a collective that a rank of its group never issues (CollectiveError):
+    the collective watch (engine/watch.py), from half a second into a call, every 50 ms while
+    some rank is not running req (idle, finished, failed, dead):
+                         ── LOOK round ────> every live rank: what it waits in, what it issued
+                         <── SEEN ─────────  (engine/verdict.py judges)
+    some rank waits on a collective that a rank of its group never issues, or collectives
+    that cannot match (CollectiveError):
                          ── ABORT_GROUP ───> every rank shuts down its TCP connections to
                                              the other ranks and destroys its groups: a rank
                                              blocked in gloo raises within ~10 ms, even when
@@ -59,12 +60,14 @@ import itertools
 import os
 import pickle
 import threading
+import time
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ..engine import core, interrupts
+from ..engine import verdict as verdicts
 from ..start import placement
 from ..torchdist.groups import parse_gpus
 from ..wire import payload
@@ -114,6 +117,36 @@ class RankStatus:
     last_cell: str
     exit_detail: str = ""
     node: str = "127.0.0.1"
+
+
+@dataclass
+class RankWhere:
+    """One rank in :meth:`Session.where`: what it does (``"waits in all_reduce #5 of float32[4]
+    (12 s)"``, ``"running"``, ``"blocked in sleep()"``, ``"idle"``), its line, its Python stack
+    (as a traceback shows it) and the collectives it has issued that have not completed."""
+
+    rank: int
+    doing: str
+    line: Optional[tuple[str, int]]
+    stack: list[str]
+    pending: list[str]
+
+    def __str__(self) -> str:
+        head = f"rank {self.rank}: {self.doing}"
+        body = [f"  {line}" for line in self.stack]
+        if self.pending:
+            body.append(f"  pending: {'; '.join(self.pending)}")
+        return "\n".join([head, *body])
+
+
+class Where(dict):
+    """:meth:`Session.where`'s answer: ``{rank: RankWhere}``, shown as each rank's block."""
+
+    def __str__(self) -> str:
+        return "\n".join(str(self[r]) for r in sorted(self))
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(str(self))
 
 
 class Session(SessionCalls):
@@ -315,6 +348,29 @@ class Session(SessionCalls):
                                    m.last_cell, str(m.exit_error) if m.exit_error else "", self._layout.nodes[r]))
         return rows
 
+    def where(self, timeout: float = 5.0) -> Where:
+        """Each rank's Python stack and the collectives it waits in, now: from another thread
+        while a call runs (the call goes on), or between calls. A rank that does not answer
+        within ``timeout`` seconds (C code holding its interpreter) is left out.
+
+        >>> threading.Thread(target=s.run, args=("dist.all_reduce(t)",), kwargs={"ranks": [0]}).start()
+        >>> print(s.where())
+        rank 0: waits in all_reduce #3 of float32[2]
+          Cell In[5], line 1, in <module>
+            dist.all_reduce(t)
+          ...
+        rank 1: idle
+        """
+        self._check_open()
+        snaps = self._look_at_ranks(timeout)
+        now = time.time_ns()
+        out = Where()
+        for r in sorted(snaps):
+            snap = snaps[r]
+            out[r] = RankWhere(r, verdicts.doing_text(snap, now, self._engine.waiting_for_user(r)), snap.where,
+                               verdicts.stack_lines(snap), [verdicts.op_text(o) for o in snap.pending])
+        return out
+
     def interrupt(self) -> None:
         """Stop what the ranks run now (what the notebook's stop button does); callable from
         any thread. The running call raises ``KeyboardInterrupt``; every rank lives on with
@@ -441,4 +497,4 @@ def _rss(pid: int) -> Optional[int]:
 
 
 
-__all__ = ["Session", "RankStatus"]
+__all__ = ["Session", "RankStatus", "Where", "RankWhere"]

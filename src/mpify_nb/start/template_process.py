@@ -82,13 +82,7 @@ def serve(control_fd: int) -> None:
                 process.kill_descendants(spare=children, reap=False)
                 _reap(reply, children)
                 continue
-            try:
-                message = framing.recv(control)
-            except (OSError, EOFError):
-                message = None
-            if message is None:
-                caller_gone()
-            data, fds = message
+            data, fds = framing.recv_or(control, caller_gone)
             kind, request_id, *rest = pickle.loads(data)
             if kind == HAS:  # which of these modules do we hold? (no import: a fork may be next)
                 reply(HAS, request_id, [name for name in rest[0] if name in sys.modules])

@@ -1,113 +1,182 @@
-"""What a persistent rank waits on in torch.distributed, as its control thread sees it.
+"""What a rank waits on in torch.distributed, and where it is: a :class:`Snapshot` of one process.
 
-Torch gives no signal that a rank waits for a peer that will never come (under torchrun
-such a rank blocks until the peer's process exits), so a Session looks for itself. Two
-sources, read from the rank's control thread while its main thread runs a request::
+Torch gives no signal that a rank waits for a peer that will never come, nor that two ranks
+wait in collectives that cannot match: every such rank just blocks. The caller finds out by
+looking at every rank (engine/watch.py decides when, engine/verdict.py what the looks mean).
+A look is taken here, in the rank (on its control thread), or in the notebook itself for the
+caller's own rank of a ``ranch`` call::
 
-    torch's flight recorder    every collective a gloo or NCCL group is asked for, from any
-    (pending_collectives)      thread and through any API: plain and async_op dist.* calls,
-                               Work.wait(), DTensor and functional collectives, object
-                               collectives, barriers, DDP's and FSDP's hooks on autograd's
-                               threads. An entry is retired when its work completes, so an
-                               entry not retired is a collective issued and not done; its
-                               sequence number says which one of its group's.
-    the main thread's frame    a send/recv (the recorder leaves point-to-point out) or any
-    (blocked_call)             dist.* call on a torch without the recorder: the innermost
-                               Python frame is the c10d function whose C++ wait blocks.
-    hidden_waits.py            where gloo has no recorder (torch < 2.8): a wait deeper in
-                               torch, seen from the stack and the thread's CPU time.
+    torch's flight recorder   every collective a gloo or NCCL group is asked for, from any
+    (torchdist/recorder.py)   thread and through any API: its op, its number on its group,
+                              its tensors' sizes and dtypes, done or not. NCCL records its
+                              sends and recvs too; gloo does not.
+    the thread's stack        the torch.distributed call it is blocked in (a send's peer and
+    (blocked_call)            tag, a broadcast's src: the recorder keeps no roots), a
+                              ``Work.wait()``, a DDP forward; else the line it runs, or the
+                              function it is blocked in (``sleep()``), and its user's line.
+    hidden_waits.py           where gloo has no recorder (torch < 2.8): a wait deeper in
+                              torch (a DTensor's, a functional collective's, DDP's backward),
+                              seen from the stack and the thread's CPU time.
 
-The caller (session/session.py) puts this together with what it knows and the rank does not: which
-ranks are idle, finished, failed or dead. A collective is stuck when a rank of its group
-will never issue it: that rank is not running the request and its own recorder's count for
-the group (issued_counts) is below the collective's number.
+A look costs about 0.3 ms (a 32-entry recorder: ``RECORDER_ENTRIES``), and nothing happens
+between looks: no thread of ours polls while the user's code runs.
 """
 
 from __future__ import annotations
 
 import dis
 import functools
+import linecache
 import os
 import pickle
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from . import compat, hidden_waits
+from . import compat, hidden_waits, p2p
+from .recorder import ROOTED, Op, entries_to_ops, issued, with_root
 
 #: Entries the recorder keeps (a ring). Only the newest matter: an unfinished collective is
-#: one of the last few issued, and a small ring keeps a dump cheap (32 entries: ~0.2 ms).
+#: one of the last few issued, and a small ring keeps a dump cheap (32 entries: ~0.3 ms; torch's
+#: default, 2000, takes 70-90 ms). Its size is fixed by the first group a process makes.
 RECORDER_ENTRIES = 32
 
-_RECORDER_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+RECORDER_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # mpify_nb/, above torchdist/
 _LIBRARY_PREFIXES = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix, _PACKAGE_DIR})
 
 
 @dataclass(frozen=True)
-class Wait:
-    """A collective a rank waits on: ``op`` (e.g. ``"all_reduce"``), the global ranks of its
-    group (None: every rank), the group's name and the collective's number in it (both None
-    when seen on the stack, not in the recorder), and the user's line that waits, if found."""
+class Snapshot:
+    """One rank, looked at once: the collectives it issued (``ops``: the recorder's, of the
+    groups alive now, oldest first, done or not), what its thread waits in (``blocked``, from
+    its stack; ``label`` names it as the user called it), and where that thread is."""
 
-    op: str
-    ranks: Optional[tuple[int, ...]]
-    group: Optional[str] = None
-    seq: Optional[int] = None
-    where: Optional[tuple[str, int]] = None
-    #: a point-to-point wait whose peer is unknown: stuck only once no other rank of
-    #: ``ranks`` can come (a pipeline stage waits for its neighbour, not for the last stage)
-    any_peer: bool = False
+    rank: int
+    ops: tuple[Op, ...] = ()
+    blocked: Optional[Op] = None
+    label: str = ""  # "dist.all_reduce", "Work.wait() of a send", "DistributedDataParallel.forward"
+    any_peer: bool = False  # blocked in a point-to-point wait whose peer is unknown (a Work's)
+    where: Optional[tuple[str, int]] = None  # the user's line the thread is at
+    doing: str = "running"  # "waiting" (in torch.distributed), "running", "in sleep()", "idle"
+    stack: tuple[tuple[str, int, str], ...] = ()  # (file, line, function), outermost first (asked for)
+    taken_ns: int = field(default_factory=time.time_ns)
+
+    @property
+    def pending(self) -> list[Op]:
+        """What it waits on: the recorder's collectives not done, and a point-to-point call on
+        its stack (gloo records none)."""
+        out = [o for o in self.ops if not o.done]
+        if self.blocked is not None and self.blocked.seq is None and self.blocked not in out:
+            out.append(self.blocked)
+        return out
+
+    @property
+    def issued(self) -> dict[str, int]:
+        return issued(list(self.ops))
+
+    def op_at(self, group: str, seq: int) -> Optional[Op]:
+        for o in self.ops:
+            if o.group == group and o.seq == seq:
+                return o
+        return None
 
 
-#: Wall-clock ns when this process's current default group was made: the recorder keeps
-#: entries of groups destroyed since, whose names and numbers the new groups reuse.
+#: Wall-clock ns when this process's current groups began (set by enable_recorder()): the
+#: recorder keeps entries of groups destroyed since, whose names and numbers new groups reuse.
 _groups_born_ns = 0
 
 
+def recorder_env(env: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """The variable that makes the groups a process creates record their collectives in a small
+    ring (unless ``env`` sets a recorder size already): for a rank's environment."""
+    env = os.environ if env is None else env
+    if any(env.get(name) for name in RECORDER_VARIABLES):
+        return {}
+    return {compat.recorder_variable(): str(RECORDER_ENTRIES)}
+
+
 def enable_recorder() -> None:
-    """Make the groups this process creates from now on record their collectives (unless
-    the user chose a recorder size), and forget what earlier groups recorded. Call before
-    ``init_process_group``."""
+    """Groups made from now on record their collectives; what earlier groups recorded is
+    forgotten. Call before ``init_process_group``."""
+    os.environ.update(recorder_env())
+    mark_groups_born()
+    note_p2p()
+
+
+def note_p2p() -> None:
+    """isend/irecv note their peers and tags from now on (torchdist/p2p.py)."""
+    p2p.install()
+
+
+def mark_groups_born() -> None:
+    """What the recorder holds from before now is of groups that are gone (a caller's own rank:
+    of its earlier calls)."""
     global _groups_born_ns
-    if not any(os.environ.get(name) for name in _RECORDER_VARIABLES):
-        os.environ[compat.recorder_variable()] = str(RECORDER_ENTRIES)
     _groups_born_ns = time.time_ns()
 
 
-def _recorder_entries(only_active: bool = True) -> list[dict]:
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return []
-    entries: list[dict] = []
+#: A dump of a recorder bigger than ours (the user chose its size, or a group was made before we
+#: could choose: torch's default of 2000 entries takes 70-90 ms) is read at most once per this
+#: many times its own cost; between, the last reading stands (its entries, filtered again).
+_DUMP_SHARE = 50
+_last_dump: dict = {"cost": 0.0, "ended": 0.0, "big": False, "entries": []}
+
+
+def _recorder_entries(force: bool = False) -> list[dict]:
+    """This process's recorder entries, gloo's and NCCL's, oldest first."""
     c10d = sys.modules.get("torch._C._distributed_c10d")
+    if c10d is None:
+        return []
+    last = _last_dump
+    if not force and last["big"] and time.monotonic() < last["ended"] + last["cost"] * _DUMP_SHARE:
+        return list(last["entries"])
+    started = time.monotonic()
+    entries: list[dict] = []
     # torch >= 2.8 records gloo's collectives in _dump_fr_trace; NCCL's are in _dump_nccl_trace
     for name in ("_dump_fr_trace", "_dump_nccl_trace"):
         dump = getattr(c10d, name, None)
         if dump is None:
             continue
         try:
-            entries += pickle.loads(dump(True, False, only_active)).get("entries", [])
+            entries += pickle.loads(dump(True, False, False)).get("entries", [])
         except Exception:
             continue  # no NCCL in this torch, or no group of that kind
     seen: set = set()
     fresh = []
-    for e in entries:
+    for e in sorted(entries, key=lambda e: e.get("time_created_ns") or 0):
         key = (e.get("pg_id"), e.get("collective_seq_id"), e.get("p2p_seq_id"), e.get("time_created_ns"))
-        if key not in seen and (e.get("time_created_ns") or 0) >= _groups_born_ns:
+        if key not in seen:
             seen.add(key)
             fresh.append(e)
+    # Big by its size, not by one slow reading (a loaded machine makes any dump slow now and then).
+    last.update(cost=time.monotonic() - started, ended=time.monotonic(),
+                big=len(entries) > 4 * RECORDER_ENTRIES, entries=fresh)
     return fresh
 
 
-def _ranks_by_group_name() -> dict[str, Optional[tuple[int, ...]]]:
+def _dist() -> Any:
+    """torch.distributed with a group up, or None (never imports torch)."""
+    if "torch.distributed" not in sys.modules:
+        return None
     try:
-        import torch.distributed as dist
+        dist = sys.modules["torch.distributed"]
+        return dist if dist.is_available() and dist.is_initialized() else None
+    except Exception:
+        return None
+
+
+def groups_now() -> dict[str, Optional[tuple[int, ...]]]:
+    """{name: global ranks (None: the world)} of this process's groups alive now."""
+    dist = _dist()
+    if dist is None:
+        return {}
+    try:
         from torch.distributed import distributed_c10d as c10d
 
-        if not dist.is_initialized():
-            return {}
         world = dist.GroupMember.WORLD
         return {name: None if group is world else tuple(dist.get_process_group_ranks(group))
                 for group, name in c10d._world.pg_names.items()}
@@ -115,58 +184,223 @@ def _ranks_by_group_name() -> dict[str, Optional[tuple[int, ...]]]:
         return {}
 
 
-def pending_collectives() -> list[Wait]:
-    """The collectives this process issued and that have not completed, oldest first."""
-    pending = [e for e in _recorder_entries() if not e.get("retired", True) and not e.get("is_p2p")]
-    if not pending:
+def recorded_ops() -> list[Op]:
+    """The recorder's ops of the groups alive now, oldest first."""
+    groups = groups_now()
+    if not groups:
         return []
-    groups = _ranks_by_group_name()
-    out = []
-    for entry in pending:
-        name = str(entry.get("process_group", ("",))[0])
-        if name not in groups:
-            continue  # a group destroyed since
-        op = str(entry.get("profiling_name", "a collective")).split(":")[-1]
-        out.append(Wait(op, groups[name], name, int(entry.get("collective_seq_id", 0))))
-    return out
+    return entries_to_ops(_recorder_entries(), groups, _groups_born_ns)
 
 
-def issued_counts() -> dict[str, int]:
-    """{group name: the number of the last collective this process issued on it}."""
-    counts: dict[str, int] = {}
-    for entry in _recorder_entries(only_active=False):  # NCCL's dump leaves the retired out when asked
-        if entry.get("is_p2p"):
-            continue
-        name = str(entry.get("process_group", ("",))[0])
-        counts[name] = max(counts.get(name, 0), int(entry.get("collective_seq_id", 0)))
-    return counts
-
-
-def blocked_call(thread_id: int) -> Optional[Wait]:
-    """The torch.distributed call ``thread_id`` is blocked in, seen on its stack, or None.
-    A collective waits in C++ under its c10d function's frame."""
+def snapshot(rank: int, thread_id: int, native_id: Optional[int] = None, stack: bool = False) -> Snapshot:
+    """Look at this process: its recorder, and the thread ``thread_id`` (its main thread, or
+    the thread that runs a caller's own rank). ``stack``: its Python stack too."""
+    ops = recorded_ops()
     frame = sys._current_frames().get(thread_id)
-    if frame is None:
+    blocked, label, any_peer = blocked_call(frame)
+    if blocked is not None and blocked.seq is None and not blocked.is_p2p:
+        # A collective on the stack: the recorder's newest unfinished one on its group is it (by
+        # the name torch recorded: all_gather_object waits in an all_gather); the stack knows
+        # its root (a broadcast's src), the recorder its number and sizes.
+        for i in range(len(ops) - 1, -1, -1):
+            o = ops[i]
+            if not o.done and not o.is_p2p and (blocked.group is None or o.group == blocked.group):
+                ops[i] = blocked = with_root(o, blocked.root if o.kind == blocked.kind else None)
+                break
+    if blocked is None and not label and not ops and _unrecorded_group():
+        # gloo before torch 2.8 records nothing: a wait deeper in torch is seen another way
+        hidden = hidden_waits.look(thread_id)
+        if hidden is not None:
+            label, any_peer = hidden, True  # its collective, and so its peers, unknown
+    where = user_line(frame)
+    if blocked is not None or label:
+        doing = "waiting"
+    elif where is None and frame is not None and _in_our_loop(frame):
+        doing = "idle"
+    else:
+        doing = _doing(frame, native_id)
+    frames = _stack(frame) if stack else ()
+    return Snapshot(rank, tuple(ops), blocked, label, any_peer, where, doing, frames)
+
+
+#: How many more times a returning rank reads its recorder for entries still being retired.
+_RETIRE_LOOKS = 5
+
+
+def snapshot_of_return(rank: int) -> Optional[Snapshot]:
+    """A rank whose function returned: the collectives it issued (None: it made no group). Its
+    groups may be gone already (destroyed inside the function): their names are still those
+    the peers know them by."""
+    entries = _recorder_entries(force=True)
+    if not entries:
         return None
+    groups = groups_now() or None
+    ops = entries_to_ops(entries, groups, _groups_born_ns)
+    for _ in range(_RETIRE_LOOKS):
+        if all(o.done for o in ops):
+            break
+        # A collective it returned from is retired a moment after (gloo's work finishes after
+        # wait() returns): read again, so it is told as done (a wrong value, not a mismatch).
+        time.sleep(0.01)
+        ops = entries_to_ops(_recorder_entries(force=True), groups, _groups_born_ns)
+    return Snapshot(rank, tuple(ops), doing="returned") if ops else None
+
+
+def snapshot_of_failure(rank: int, exc: BaseException) -> Optional[Snapshot]:
+    """A rank's error raised inside torch.distributed (a peer closed the connection: gloo's
+    "Connection closed by peer"): what it was waiting in when it failed, and the user's line
+    that called it; None for an error raised elsewhere."""
+    tb = exc.__traceback__
+    in_dist = False
+    where = None
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if "distributed" in filename.split(os.sep) or "autograd" in filename.split(os.sep):
+            in_dist = True
+        elif _is_user_file(filename):
+            where = (filename, tb.tb_lineno)
+        tb = tb.tb_next
+    if not in_dist:
+        try:
+            text = str(exc).lower()
+        except Exception:
+            return None  # its __str__ raised: the error is reported without our help
+        if "gloo" not in text and "nccl" not in text:
+            return None
+    ops = entries_to_ops(_recorder_entries(force=True), groups_now() or None, _groups_born_ns)
+    if not ops:
+        return None
+    # The collective it failed in is its last one (it is blocked on it; gloo retired it with the error).
+    last = ops[-1]
+    blocked = Op(last.kind, last.group, last.ranks, last.seq, last.inputs, last.outputs, last.root, last.tag,
+                 done=False, issued_ns=last.issued_ns)
+    return Snapshot(rank, tuple(ops[:-1]) + (blocked,), blocked, f"dist.{last.kind}", False, where, "waiting")
+
+
+def _in_our_loop(frame: Any) -> bool:
+    """The thread is in this library's own code, outside the user's (a persistent rank between cells)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _doing(frame: Any, native_id: Optional[int]) -> str:
+    """"running" (Python, or C code that runs), or "in sleep()": the call it is blocked in."""
+    if frame is None:
+        return "running"
+    state = b"R"
+    if native_id is not None:
+        try:
+            with open(f"/proc/self/task/{native_id}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            pass
+    if state == b"R":
+        return "running"
+    name = _calling(frame)
+    return f"in {name}()" if name else "waiting"
+
+
+def _stack(frame: Any) -> tuple[tuple[str, int, str], ...]:
+    """The thread's frames from the user's code in (what it calls included), outermost first:
+    none while it runs none of the user's code (a persistent rank between cells)."""
+    frames = []
+    seen_user = False
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if seen_user and filename.startswith(_PACKAGE_DIR):
+            break  # our code, which runs the user's
+        seen_user = seen_user or _is_user_file(filename)
+        frames.append((filename, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    return tuple(reversed(frames)) if seen_user else ()
+
+
+def blocked_call(frame: Any) -> tuple[Optional[Op], str, bool]:
+    """(the torch.distributed op the thread at ``frame`` waits in, how the user called it, whether
+    its peer is unknown); (None, "", False) when it waits in none. A collective waits in C++
+    under its c10d function's frame; a send or recv's locals name its peer and tag."""
+    if frame is None:
+        return None, "", False
     filename = frame.f_code.co_filename
     if filename.endswith(os.path.join("distributed", "distributed_c10d.py")):
-        name = frame.f_code.co_name
-        peer = frame.f_locals.get("dst" if name == "send" else "src") if name in ("send", "recv") else None
-        if isinstance(peer, int):
-            return Wait(name, (peer,))
-        ranks = _group_ranks(frame)
-        return Wait(name, None if ranks is None else tuple(ranks), any_peer=name in ("send", "recv"))
+        return _c10d_call(frame)
     if filename.endswith(os.path.join("nn", "parallel", "distributed.py")):
-        return Wait(f"DistributedDataParallel.{frame.f_code.co_name}", None)
+        return None, f"DistributedDataParallel.{frame.f_code.co_name}", False
     if _calling(frame) == "wait":
         work = _unfinished_work(frame)
         if work is not None:  # Work.wait() on an isend/irecv (a pipeline schedule's, say)
-            op = int(work._get_op_type())
-            if op in _P2P_OPS:
-                return Wait(f"Work.wait() of a {_P2P_OPS[op]}", None, any_peer=True)
-            # A collective's: named as the recorder names it (the only source before torch 2.8)
-            return Wait(_COLLECTIVE_OPS.get(op, "Work.wait() of a collective"), None, any_peer=True)
+            kind = _P2P_OPS.get(int(work._get_op_type()))
+            label = f"Work.wait() of a {kind or 'collective'}"
+            note = p2p.noted(work) if kind else None
+            if note is not None:  # its isend/irecv noted its peer and tag
+                op, peer_unknown = _p2p_op(*note)
+                return op, label, peer_unknown
+            if kind is None and (collective := _COLLECTIVE_OPS.get(int(work._get_op_type()))) is not None:
+                # An async_op collective's: named as the user called it (the recorder, where there is
+                # one, gives its number; before torch 2.8 gloo's has none, and this is all there is).
+                return Op(collective), f"dist.{collective}", False
+            return (Op(kind) if kind else None), label, kind is not None
+    return None, "", False
+
+
+def _c10d_call(frame: Any) -> tuple[Optional[Op], str, bool]:
+    name = frame.f_code.co_name
+    local = frame.f_locals
+    group = local.get("group")
+    ranks = _group_ranks(group)
+    group_name = _group_name(group)
+    label = f"dist.{name}"
+    if name in ("send", "recv"):
+        op, peer_unknown = _p2p_op(name, local)
+        return op, label, peer_unknown
+    root = None
+    if name in ROOTED:
+        which = ROOTED[name]
+        root = _global_rank(local.get(which), local.get(f"group_{which}"), ranks)
+    return Op(name, group_name, ranks, root=root), label, False
+
+
+def _p2p_op(name: str, local: dict) -> tuple[Op, bool]:
+    """A send's or recv's op from its arguments (``local``: by name), and whether its peer is unknown."""
+    group = local.get("group")
+    ranks = _group_ranks(group)
+    peer = _global_rank(local.get("dst" if name == "send" else "src"),
+                        local.get("group_dst" if name == "send" else "group_src"), ranks)
+    tensor = local.get("tensor")
+    shape = getattr(tensor, "shape", None)
+    tensors = ((_dtype_name(tensor), tuple(shape)),) if shape is not None else ()
+    tag = local.get("tag") if isinstance(local.get("tag"), int) else None
+    op = Op(name, _group_name(group), ranks, None, tensors if name == "send" else (),
+            tensors if name == "recv" else (), peer, tag)
+    return op, peer is None
+
+
+def _global_rank(global_rank: Any, group_rank: Any, ranks: Optional[tuple[int, ...]]) -> Optional[int]:
+    if isinstance(global_rank, int) and not isinstance(global_rank, bool):
+        return global_rank
+    if isinstance(group_rank, int) and not isinstance(group_rank, bool):
+        if ranks is None:
+            return group_rank
+        return ranks[group_rank] if 0 <= group_rank < len(ranks) else None
     return None
+
+
+def _dtype_name(tensor: Any) -> str:
+    return str(getattr(tensor, "dtype", "?")).replace("torch.", "")
+
+
+def _group_name(group: Any) -> Optional[str]:
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        if group is None:
+            group = c10d._get_default_group()
+        return c10d._world.pg_names.get(group)
+    except Exception:
+        return None
 
 
 #: torch's OpType numbers of point-to-point work (c10d/Types.hpp: SEND, RECV, RECVANYSOURCE).
@@ -179,24 +413,51 @@ _COLLECTIVE_OPS = {0: "broadcast", 1: "all_reduce", 2: "all_reduce_coalesced", 3
 
 
 def _calling(frame) -> Optional[str]:
-    """The name of the method ``frame`` is calling now (it waits in it), if it calls one."""
-    names = _called_names(frame.f_code)
-    return names.get(frame.f_lasti)
+    """The name of the function or method ``frame`` is calling now (it waits in it), if any."""
+    return _called_names(frame.f_code).get(frame.f_lasti)
+
+
+_NAMED_LOADS = ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_ATTR", "LOAD_METHOD")
 
 
 @functools.lru_cache(maxsize=256)
 def _called_names(code) -> dict[int, str]:
-    """{offset of a call instruction: the attribute name loaded just before it} of ``code``."""
+    """{offset of a call instruction: the name of the function it calls} of ``code``. The
+    value stack is followed instruction by instruction (names for what global, name and
+    attribute loads push): a call pops its callee and its arguments, and the callee is the
+    deepest named value of those (it was pushed before them)."""
     out: dict[int, str] = {}
-    last_attribute: Optional[str] = None
+    stack: list[Optional[str]] = []
+    precall = 0  # 3.11: PRECALL pops the arguments, CALL the callee
     for ins in dis.get_instructions(code):
-        if ins.opname in ("LOAD_METHOD", "LOAD_ATTR"):
-            last_attribute = ins.argval if isinstance(ins.argval, str) else None
-        elif ins.opname in ("CALL", "CALL_METHOD", "CALL_FUNCTION", "PRECALL"):
-            if last_attribute is not None:
-                out[ins.offset] = last_attribute
-            if ins.opname != "PRECALL":
-                last_attribute = None
+        try:
+            effect = dis.stack_effect(ins.opcode, ins.arg if ins.opcode >= dis.HAVE_ARGUMENT else None, jump=False)
+        except ValueError:
+            effect = 0
+        if ins.opname == "PRECALL":
+            precall = effect
+            continue
+        if ins.opname.startswith("CALL"):
+            effect, precall = effect + precall, 0
+            popped = max(0, 1 - effect)  # it pushes one value: its result
+            names = [n for n in stack[len(stack) - popped:] if n is not None] if popped else []
+            if names:
+                out[ins.offset] = names[0]
+            del stack[max(0, len(stack) - popped):]
+            stack.append(None)
+            continue
+        if ins.opname in _NAMED_LOADS and isinstance(ins.argval, str):
+            attribute = ins.opname in ("LOAD_ATTR", "LOAD_METHOD")
+            del stack[max(0, len(stack) - int(attribute)):]
+            pushed = effect + int(attribute)
+            # A global pushed with a NULL below it (3.11+): the NULL is no callee; a method's two
+            # slots are both its own.
+            stack.extend([ins.argval if attribute else None] * (pushed - 1) + [ins.argval] * min(pushed, 1))
+            continue
+        if effect < 0:
+            del stack[max(0, len(stack) + effect):]
+        else:
+            stack.extend([None] * effect)
     return out
 
 
@@ -214,55 +475,56 @@ def _unfinished_work(frame) -> Any:
     return None
 
 
-def _group_ranks(frame) -> Optional[list[int]]:
-    """The global ranks of the ``group`` a c10d function was called with (None: the world),
-    so a collective on a subgroup is not blamed on ranks outside it."""
+def _group_ranks(group: Any) -> Optional[tuple[int, ...]]:
+    """The global ranks of ``group`` (None: the world, or unknown), so a collective on a
+    subgroup is not blamed on ranks outside it."""
     try:
-        group = frame.f_locals.get("group")
         if group is None:
             return None
         import torch.distributed as dist
 
         if group is dist.GroupMember.WORLD:
             return None
-        return sorted(dist.get_process_group_ranks(group))
+        return tuple(sorted(dist.get_process_group_ranks(group)))
     except Exception:
         return None
 
 
-def user_line(thread_id: int) -> Optional[tuple[str, int]]:
-    """(file, line) of the innermost frame of ``thread_id`` that is the user's own code (a
-    cell, a module of theirs), not torch's, the standard library's or ours."""
-    frame: Any = sys._current_frames().get(thread_id)
+def _is_user_file(filename: str) -> bool:
+    """The user's code: not torch's, the standard library's or ours; a ``<name>`` only when its
+    source is known (a Session's cell is; ``python -c``'s ``<string>`` is not)."""
+    if filename.startswith("<"):
+        return filename in linecache.cache
+    return not filename.startswith(_LIBRARY_PREFIXES) and not filename.startswith(_PACKAGE_DIR)
+
+
+def user_line(frame: Any) -> Optional[tuple[str, int]]:
+    """(file, line) of the innermost frame from ``frame`` out that is the user's own code (a
+    cell, a module of theirs), not torch's, the standard library's or ours; None once our own
+    code is reached first (what calls it, a rank's loop, a template's ``python -c``, is not the user's)."""
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not filename.startswith(_LIBRARY_PREFIXES) and not filename.startswith("<frozen"):
+        if filename.startswith(_PACKAGE_DIR):
+            return None
+        if _is_user_file(filename):
             return filename, frame.f_lineno
         frame = frame.f_back
     return None
 
 
-def waits_of(thread_id: int, recorder: bool) -> list[Wait]:
-    """What the rank waits on now: the recorder's unfinished collectives (when asked for:
-    a dump costs ~0.2 ms), else the blocking call on ``thread_id``'s stack; where gloo has no
-    recorder (torch < 2.8), a wait deeper in torch, seen another way (torchdist/hidden_waits.py)."""
-    found = pending_collectives() if recorder else []
-    if not found:
-        blocked = blocked_call(thread_id)
-        if blocked is None and recorder and _unrecorded_group():
-            op = hidden_waits.look(thread_id)
-            blocked = Wait(op, None, any_peer=True) if op is not None else None
-        found = [blocked] if blocked is not None else []
-    return found
+def native_id_of(thread_id: int) -> Optional[int]:
+    for thread in threading.enumerate():
+        if thread.ident == thread_id:
+            return thread.native_id
+    return None
 
 
 def _unrecorded_group() -> bool:
     """Is this process's group one whose collectives the recorder misses (gloo before torch 2.8)?"""
     if compat.has_gloo_recorder():
         return False
+    dist = _dist()
     try:
-        import torch.distributed as dist
-
-        return dist.is_initialized() and dist.get_backend() == "gloo"
+        return dist is not None and dist.get_backend() == "gloo"
     except Exception:
         return False

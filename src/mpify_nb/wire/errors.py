@@ -30,7 +30,7 @@ import signal
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # mpify_nb/, above wire/
 
@@ -73,6 +73,8 @@ class RankError(RuntimeError):
         #: every rank this error stands for (several when identical errors were merged)
         self.ranks: list[int] = [rank]
         self.others: list[RankError] = []
+        #: raised inside a collective: what the rank waited in then (a torchdist.waits.Snapshot)
+        self.context: Any = None
         # time.monotonic() when it failed (the same clock in every process of this machine):
         # of several failures, the earliest is the root cause.
         self.when = time.monotonic() if when is None else when
@@ -186,15 +188,21 @@ class RankExitedError(RankError):
 
 
 class CollectiveError(RankError):
-    """Ranks of a :class:`~mpify_nb.Session` waited in a collective that other ranks never joined.
+    """Ranks waited in collectives that can never finish: one that other ranks never joined, or
+    collectives that cannot match (another op, other sizes or dtypes, another src, each rank
+    receiving from the other). Raised by a :class:`~mpify_nb.Session` (the group is rebuilt
+    afterwards) and by ``ranch`` (every rank is stopped).
 
     Attributes:
-        waiting: the ranks that were blocked in the collective (``op``, e.g. ``"all_reduce"``).
-        missing: the ranks that never joined it (idle, finished, or failed: see ``errors``).
+        waiting: the ranks that were blocked.
+        missing: the ranks that never joined (idle, finished, returned, or failed: see ``errors``).
         errors: what the missing ranks raised meanwhile, if anything (``RankRaisedError``s).
-        rebuilt: True when the process group was rebuilt afterwards (the next collective works).
+        rebuilt: True when the process group was rebuilt afterwards (the next collective works);
+            None for a ``ranch`` call (its ranks were stopped).
+        kind: "absent", "mismatch", "wrong value" or "deadlock".
+        culprit: for "wrong value", the rank that returned from the collective with a wrong value.
 
-    Every rank's Python state is kept; objects made on the old group (a DDP wrapper, a
+    A Session keeps every rank's Python state; objects made on the old group (a DDP wrapper, a
     subgroup) must be made again.
 
     Example (a notebook cell): rank 0 calls ``all_reduce`` alone.
@@ -218,20 +226,28 @@ class CollectiveError(RankError):
     """
 
     def __init__(self, waiting: list[int], missing: list[int], op: str = "a collective",
-                 errors: Optional[list[RankError]] = None, rebuilt: bool = True):
+                 errors: Optional[list[RankError]] = None, rebuilt: Optional[bool] = True,
+                 what: str = "", kind: str = "absent", culprit: Optional[int] = None):
         self.waiting = sorted(waiting)
         self.missing = sorted(missing)
         self.op = op
         self.errors = list(errors or [])
         self.rebuilt = rebuilt
-        who = _rank_list(self.waiting)
-        verb = "was" if len(self.waiting) == 1 else "were"
-        msg = (f"{who} {verb} left waiting in {op}, which {_rank_list(self.missing)} never joined; "
-               + ("the process group was rebuilt (Python state kept; re-create objects made on the old "
-                  "group, e.g. DistributedDataParallel)" if rebuilt else "the process group is broken"))
+        self.kind = kind
+        self.culprit = culprit
+        after = ("every rank was stopped" if rebuilt is None else
+                 "the process group was rebuilt (Python state kept; re-create objects made on the old "
+                 "group, e.g. DistributedDataParallel)" if rebuilt else "the process group is broken")
+        if what:
+            msg = f"{what}; {after}"
+        else:
+            who = _rank_list(self.waiting)
+            verb = "was" if len(self.waiting) == 1 else "were"
+            msg = f"{who} {verb} left waiting in {op}, which {_rank_list(self.missing)} never joined; {after}"
         if self.errors:  # the root cause first: what the missing ranks raised, each distinct error once
             msg = f"{merge_rank_errors(self.errors)}\n\nMeanwhile {msg}"
-        root = self.errors[0].rank if self.errors else self.missing[0] if self.missing else self.waiting[0]
+        root = (self.errors[0].rank if self.errors else culprit if culprit is not None
+                else self.missing[0] if self.missing else self.waiting[0])
         super().__init__(root, msg)
         self.ranks = self.missing or self.waiting
 
@@ -352,6 +368,8 @@ class RemoteFailure:
     chain: str = ""  # formatted "During handling..." / "The above exception..." part
     exception_blob: Optional[bytes] = field(default=None, repr=False)  # the pickled exception
     when: float = field(default_factory=time.monotonic)
+    #: raised inside a collective: the rank's torchdist.waits.Snapshot then (what it waited in, where)
+    context: Any = field(default=None, repr=False)
 
     @classmethod
     def capture(cls, exc: BaseException, dumps) -> RemoteFailure:
@@ -387,6 +405,7 @@ class RemoteFailure:
 
     def to_error(self, rank: int, loads) -> RankRaisedError:
         err = RankRaisedError(rank, self.exc_type, self.exc_message, self.format(), self.when)
+        err.context = self.context
         if self.exception_blob is not None:
             try:
                 original = loads(self.exception_blob)

@@ -27,7 +27,7 @@ import struct
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import Optional
+from typing import Callable, NoReturn, Optional
 
 _HEADER = struct.Struct("!QI")
 _MAX_FDS = 253  # SCM_MAX_FD on Linux: the most fds one sendmsg can carry
@@ -107,6 +107,18 @@ def recv(sock: socket.socket) -> Optional[tuple[bytes | bytearray, list[int]]]:
             os.close(fd)
         raise
     return _recv_exact(sock, length), fds
+
+
+def recv_or(sock: socket.socket, gone: Callable[[], NoReturn]) -> tuple[bytes | bytearray, list[int]]:
+    """The next message on ``sock``; ``gone()`` (which does not return) once its other end has
+    closed or failed: a process whose caller went away ends itself."""
+    try:
+        message = recv(sock)
+    except (OSError, EOFError):
+        message = None
+    if message is None:
+        gone()
+    return message
 
 
 def _max_length() -> int:

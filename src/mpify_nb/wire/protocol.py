@@ -19,14 +19,18 @@ CALL = b"c"  # a ranch call (fn, args, ctx; memfds): load it, READY, wait for GO
 GO = b"G"  # every rank of a ranch call has loaded it: run it
 RUN, APPLY, PUSH, PULL, MISSING, GROUP = b"r", b"a", b"p", b"l", b"m", b"g"  # a Session's requests
 # -- to a rank's control thread (a Session's control channel; a ranch rank's channel once it runs)
-INTERRUPT, ABORT_GROUP, WATCH, PEEK, ANSWER = b"i", b"x", b"w", b"k", b"n"
+INTERRUPT, ABORT_GROUP, ANSWER = b"i", b"x", b"n"
+LOOK = b"w"  # the caller looks at the rank (engine/watch.py): what it waits in, where it is; SEEN answers
+PEEK_STDIN = b"k"  # its stdout holds a partial line (a prompt?): is a thread reading fd 0 itself? (ASK RAW)
 # -- from a rank ----------------------------------------------------------------------------------
 READY = b"R"  # started (a Session's rank: its group is up) or loaded (a ranch call)
 DONE, FAIL = b"D", b"F"  # the answer to a request: its value; (RemoteFailure, interrupted, meta)
 DISPLAY = b"P"  # display(obj) on a Session's rank: a mime bundle
 ASK = b"Q"  # the rank reads its stdin (rank/stdin.py): a token; the caller sends ANSWER (token, answer)
 IMPORTED = b"M"  # the modules a ranch rank imported (before its answer; see start/preload.py)
-COLLECTIVE, ABORTED, ISSUED = b"C", b"A", b"I"  # from a Session rank's control thread
+ABORTED = b"A"  # a Session rank cut its group's connections (ABORT_GROUP)
+SEEN = b"C"  # a rank's answer to LOOK: a torchdist.waits.Snapshot (from its control thread)
+RETURNED = b"I"  # a ranch rank's fn returned, its group still up: its Snapshot (before ctx.__exit__)
 # -- widgets (rank/comms.py, engine/comms.py): a frontend's comm message to a rank (its main thread, a request
 #    like a tiny cell); a rank's comm frame to the kernel (any thread); the caller passed on a frame
 #    marked "sync" (to the control thread)

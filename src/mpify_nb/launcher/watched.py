@@ -1,0 +1,149 @@
+"""A ranch call's half of the collective watch (engine/watch.py, engine/verdict.py), mixed into
+launcher/call.py's ``_Call``: what the call tells the watch, and what it does with a verdict::
+
+    GO ── _begin_watch: look at the ranks not done, and the caller's own rank here (in-process)
+    a rank's RETURNED / DONE ── _absent: it left the call (its fn returned)
+    the caller's own fn returns ── _own_rank_returned: what it issued, before ctx.__exit__
+    verdict ── _collective_failed: cut the own rank's connections, CollectiveError, stop every rank
+    a rank's error raised inside a collective (held a moment) ── _explain: a peer that returned
+        without joining it, or holds another collective under its number, is the news
+    timeout= ── _time_out: where each rank was;  the stop button ── _where_they_were
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Optional
+
+from ..engine import core
+from ..engine import verdict as verdicts
+from ..engine.watch import Watch
+from ..start import placement
+from ..torchdist import waits
+from ..wire.errors import CollectiveError, RankError
+from . import own_rank
+
+
+class WatchedCall:
+    """The collective watch's part of one ranch call (see the module's docstring)."""
+
+    nprocs: int
+    caller_rank: Optional[int]
+    timeout: Optional[float]
+    ranks: dict[int, Any]
+    engine: core.Engine
+    watch: Watch
+    own: own_rank.OwnRank
+    cond: threading.Condition
+    layout: Optional[placement.Layout]
+    held: Optional[tuple[BaseException, float]]
+    failed_ranks: set[int]
+    finished: bool
+    own_returned: bool
+    _fail: Callable[[BaseException], None]
+
+    def _time_out(self) -> None:
+        running = sorted(r.rank for r in self.ranks.values() if not r.done)
+        if self.caller_rank is not None and not self.finished:
+            running = sorted(running + [self.caller_rank])
+        where = ""
+        if self.watch.active:
+            snaps = self.watch.look_now(self.engine.pump, within=0.3)
+            where = self.watch.where_text(snaps=snaps)
+        where = f"; where they were: {where}" if where else ""
+        self._fail(TimeoutError(f"ranch: the call did not finish within {self.timeout:g} s "
+                                f"(ranks still running: {running}{where}); every rank was stopped"))
+
+    def _begin_watch(self) -> None:
+        self.watch.begin(self.nprocs, lambda: [r for r in self.ranks.values() if not r.done],
+                         self._absent, self._look_at_own_rank if self.caller_rank is not None else None,
+                         self.caller_rank)
+
+    def _look_at_own_rank(self, stack: bool) -> Optional[waits.Snapshot]:
+        """The caller's own rank, looked at here (the watch thread looks at the calling thread)."""
+        if self.finished or self.own_returned or self.caller_rank is None:
+            return None
+        return waits.snapshot(self.caller_rank, self.own.thread_id, self.own.native_id, stack=stack)
+
+    def _absent(self) -> dict[int, str]:
+        """The ranks that left the call: their fn returned."""
+        gone = {r.rank: "returned from fn" for r in self.ranks.values()
+                if r.done and r.rank not in self.failed_ranks or r.rank in self.watch.kept}
+        if self.caller_rank is not None and self.own_returned:
+            gone[self.caller_rank] = "returned from fn"
+        return gone
+
+    def _collective_failed(self, verdict: verdicts.Verdict) -> None:
+        """Ranks wait in collectives that can never finish: stop every rank and say why. The
+        caller's own rank, blocked in C++, is unstuck by cutting its connections to the others."""
+        error = CollectiveError(verdict.waiting, verdict.missing, verdict.label, rebuilt=None, what=verdict.what,
+                                kind=verdict.kind, culprit=verdict.culprit)
+        if self.caller_rank is not None and not self.finished:
+            self._unstick_own_rank()
+        self._fail(error)
+
+    def _unstick_own_rank(self) -> None:
+        from ..rank import group
+
+        peers = [(r.pid, self.layout.nodes[r.rank] if self.layout is not None else "127.0.0.1")
+                 for r in self.ranks.values() if not r.buried]
+        try:
+            group.cut_connections(peers)
+            group.abort_nccl()
+        except Exception:
+            pass  # the ranks' deaths end its collective too, in about 2 s
+
+    def _held_answered(self) -> bool:
+        """A held error's group: has every other rank of it answered (returned, done, failed)?"""
+        error = self.held[0] if self.held is not None else None
+        context = getattr(error, "context", None)
+        if not isinstance(error, RankError) or context is None or context.blocked is None:
+            return False
+        members = context.blocked.members(self.nprocs)
+        absent = self._absent()
+        return all(r == error.rank or r in absent or (r in self.ranks and self.ranks[r].done)
+                   for r in members)
+
+    def _explain(self, error: BaseException) -> BaseException:
+        """A rank's error raised inside a collective: a peer that returned without joining it, or
+        that issued another one under its number, is the news, not gloo's "Connection closed"."""
+        context = getattr(error, "context", None)
+        if not isinstance(error, RankError) or context is None:
+            return error
+        snaps = {error.rank: context}
+        absent = self._absent()
+        absent.pop(error.rank, None)
+        kept = dict(self.watch.kept)
+        for rank in absent:
+            if rank in kept:
+                snaps[rank] = kept[rank]
+        for rank, snap in dict(self.watch.snaps).items():
+            if rank != error.rank and rank not in absent:
+                snaps[rank] = snap
+        verdict = verdicts.judge(snaps, self.nprocs, absent)
+        if verdict is None or verdict.kind == "deadlock" or error.rank not in verdict.waiting + [verdict.culprit]:
+            return error
+        explained = CollectiveError(verdict.waiting, verdict.missing, verdict.label, rebuilt=None,
+                                    what=verdict.what, kind=verdict.kind, culprit=verdict.culprit)
+        explained.__cause__ = error
+        explained.when = error.when
+        return explained
+
+    def _where_they_were(self) -> str:
+        """Where the ranks were at the last look (for the stop button's KeyboardInterrupt)."""
+        try:
+            return self.watch.where_text()
+        except Exception:
+            return ""
+
+    def _own_rank_returned(self, rank: int) -> None:
+        """The caller's own fn returned: what it issued goes to the watch before its group is
+        torn down (a peer still waiting in a collective it never joined is told so)."""
+        try:
+            snap = waits.snapshot_of_return(rank)
+        except Exception:
+            snap = None
+        self.own_returned = True
+        if snap is not None:
+            self.watch.returned(rank, snap)
+            self.engine.wake()
