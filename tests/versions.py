@@ -40,3 +40,18 @@ def needs_torch(version: tuple[int, int], why: str) -> pytest.MarkDecorator:
 #: insufficient"), 2.6's forward fails ("'Stream' object has no attribute 'record_event'").
 needs_fsdp2_on_cpu = needs_torch((2, 8), "FSDP2 on CPU: 2.4's needs CUDA, 2.6's forward fails in "
                                          "foreach_all_gather ('Stream' object has no attribute 'record_event')")
+
+#: gloo's flight recorder (torch >= 2.8) numbers each collective of a group and keeps its sizes: only
+#: with it are mismatched collectives and wrong values told apart (before, the ranks wait until the
+#: call's timeout or the stop button, whose message says where each rank was and that it went unchecked).
+needs_gloo_recorder = needs_torch((2, 8), "gloo's flight recorder: it numbers collectives and keeps their sizes, "
+                                          "which tell mismatched collectives and wrong values apart")
+
+
+def numbered(op: str, sizes: str = "", waited: bool = False) -> str:
+    """How a rank's wait in collective ``op`` reads in a where-text (a regex): with the recorder
+    ``all_reduce #1 of float32\\[1\\] \\(\\d+ s\\)``, before torch 2.8 ``all_reduce`` (the stack
+    knows the call only)."""
+    if not GLOO_RECORDER:
+        return op
+    return f"{op} #1" + (f" of {sizes}" if sizes else "") + (r" \(\d+ s\)" if waited else "")

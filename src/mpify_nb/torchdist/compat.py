@@ -8,7 +8,9 @@ today's torch, and what mpify_nb does about it:
 what                                   torch       here
 =====================================  ==========  ==============================================
 gloo's flight recorder                 2.8         :func:`has_gloo_recorder`; before, the collective
-                                                   watch reads the stack (torchdist/hidden_waits.py)
+                                                   watch reads the stack (torchdist/hidden_waits.py),
+                                                   and cannot tell mismatched collectives apart
+                                                   (:func:`gloo_records_collectives`)
 the recorder's variable                2.8         :func:`recorder_variable`
 TCPStore(master_listen_fd=) on libuv   2.8         :func:`listen_fd_store_options` (legacy store)
 a gloo group destroyed without a       2.8         :func:`destroy_process_group` (releases the GIL)
@@ -98,6 +100,16 @@ def has_gloo_recorder() -> bool:
     except ImportError:
         return False
     return hasattr(c10d, "_dump_fr_trace")
+
+
+def gloo_records_collectives() -> bool:
+    """:func:`has_gloo_recorder` by the installed version, without importing torch (a notebook
+    that drives ranks may not have imported it): True where the version is unknown."""
+    version = installed_torch_version()
+    try:
+        return version is None or parse_version(version) >= (2, 8)
+    except ValueError:
+        return True
 
 
 def recorder_variable() -> str:
