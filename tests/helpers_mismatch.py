@@ -76,6 +76,17 @@ def sizes():
     return y.tolist()
 
 
+def broadcast_sizes():
+    import torch
+    import torch.distributed as dist
+
+    x = torch.ones(2)
+    dist.all_reduce(x)
+    y = torch.arange(4.0) if _rank() == 0 else torch.zeros(5)
+    dist.broadcast(y, 0)  # broadcast_sizes both: gloo fills 4 of rank 1's 5, and both return
+    return y.tolist()
+
+
 def recv_recv():
     import torch
     import torch.distributed as dist

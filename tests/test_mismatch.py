@@ -71,6 +71,13 @@ def test_verdicts_on_gloo_dumps_recorded_here(scenario):
         assert found.culprit == 0
 
 
+def test_every_collective_kind_both_ranks_returned_from_is_no_wrong_value():
+    """The rule for calls every rank returned from, on real dumps: a healthy run of every collective
+    kind gives nothing; a rank still waiting is not the rule's (the watch's)."""
+    assert verdicts.judge_returned(_snapshots("gloo-healthy", 2)) is None
+    assert verdicts.judge_returned(_snapshots("gloo-sizes", 2)) is None
+
+
 def test_gloo_dump_of_every_collective_kind_reads_as_the_calls_made():
     ops = _snapshots("gloo-healthy", 2)[0].ops
     assert [(o.kind, o.seq, o.group) for o in ops] == [
@@ -461,6 +468,21 @@ def test_a_ranch_mistake_ends_the_call_with_its_message(case):
     error = _ranch_fails(getattr(hm, case))
     assert str(error) == f"{RANCH_CASES[case]()}; {STOPPED}"
     assert error.rebuilt is None
+
+
+@needs_gloo_recorder
+@pytest.mark.parametrize("caller_rank", [0, None])
+def test_a_ranch_broadcast_both_ranks_returned_from_names_the_rank_that_got_a_wrong_value(caller_rank):
+    """gloo lets a broadcast into a bigger buffer pass and both ranks return: the call says so
+    instead of handing back rank 1's half-filled tensor as a result."""
+    with pytest.raises(CollectiveError) as info:
+        ranch(2, hm.broadcast_sizes, ctx=in_torchddp(), caller_rank=caller_rank, timeout=60)
+    assert str(info.value) == (
+        "rank 1 got a wrong value from broadcast #2 (the ranks passed different sizes, and every rank returned): "
+        "rank 0: broadcast #2 of float32[4] (returned); rank 1: broadcast #2 of float32[5] (returned); "
+        "the call's results were not returned")
+    assert (info.value.kind, info.value.culprit, info.value.rank) == ("wrong value", 1, 1)
+    assert ranch(2, hm.working_collective, ctx=in_torchddp()) == [[3.0, 3.0], [3.0, 3.0]]
 
 
 def test_a_ranch_rank_busy_in_python_is_no_mistake_and_a_timeout_says_where_each_rank_is():

@@ -13,6 +13,10 @@ never about how long they have waited (time only decides when the watch looks)::
     deadlock     ranks blocked in torch.distributed calls, the same in two looks in a row,
                  none of which any rank can ever match: each receives from the other, each
                  sends, another tag, or each waits for a rank blocked elsewhere.
+    returned     (every rank returned: :func:`judge_returned`) two ranks completed the same
+                 collective number of a group with tensors that cannot be one collective:
+                 gloo lets a broadcast into a bigger buffer pass, and the receiver holds a
+                 wrong value.
 
 :func:`ops_text` and :func:`where_text` say it in words, with the cell's lines.
 """
@@ -23,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..torchdist import compat
-from ..torchdist.recorder import ROOTED, Op, Tensors, p2p_apart, pairs, why_apart
+from ..torchdist.recorder import ROOTED, Op, Tensors, numel, p2p_apart, pairs, why_apart
 from ..torchdist.waits import Snapshot
 from ..wire.errors import source_location
 
@@ -51,6 +55,37 @@ def judge(snaps: dict[int, Snapshot], world: int, absent: dict[int, str],
     running = {r: s for r, s in snaps.items() if r not in absent}
     return (_mismatch(snaps, running) or _absent(snaps, running, world, absent)
             or _deadlock(snaps, running, world, absent, previous or {}))
+
+
+def judge_returned(snaps: dict[int, Snapshot]) -> Optional[Verdict]:
+    """The verdict on what every rank issued, once every rank's function returned (``snaps``:
+    their RETURNED snapshots): a "wrong value" when two ranks completed the same collective
+    number of a group with tensors that cannot be one collective, else None."""
+    for r in sorted(snaps):
+        for op in snaps[r].ops:
+            if not op.done or op.seq is None or op.group is None:
+                continue
+            for q in sorted(snaps):
+                other = snaps[q].op_at(op.group, op.seq) if q > r else None
+                why = why_apart(op, other) if other is not None and other.done else None
+                if other is None or why is None:
+                    continue
+                culprit = _got_the_wrong_value(r, op, q, other)
+                what = (f"rank {culprit} got a wrong value from {op.kind} #{op.seq} (the ranks passed {why}, "
+                        "and every rank returned): "
+                        + ops_text([(r, snaps[r], op), (q, snaps[q], other)]))
+                return Verdict("wrong value", [], what=what, culprit=culprit)
+    return None
+
+
+def _got_the_wrong_value(r: int, a: Op, q: int, b: Op) -> int:
+    """Of two ranks that completed one collective with different tensors, the one whose value is
+    wrong: a rooted op's non-root; else the one with the bigger tensors (a transport fills at
+    most what the other sent: the rest is what the buffer held before)."""
+    root = a.root if a.root is not None else b.root
+    if a.kind in ROOTED and root in (r, q):
+        return q if root == r else r
+    return q if sum(numel(_shown(b))) > sum(numel(_shown(a))) else r
 
 
 # -- the rules --------------------------------------------------------------------------------

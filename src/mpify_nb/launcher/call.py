@@ -317,6 +317,7 @@ class _Call(WatchedCall):
                         watcher.join()
             self._drain()
             self._raise_failure()
+            self._judge_returned()
             for r in self.ranks.values():
                 values[r.rank] = r.value
             return values

@@ -4,6 +4,8 @@ launcher/call.py's ``_Call``: what the call tells the watch, and what it does wi
     GO ── _begin_watch: look at the ranks not done, and the caller's own rank here (in-process)
     a rank's RETURNED / DONE ── _absent: it left the call (its fn returned)
     the caller's own fn returns ── _own_rank_returned: what it issued, before ctx.__exit__
+    every rank returned ── _judge_returned: a collective completed with tensors that cannot
+        match (a broadcast into a bigger buffer) is a wrong value, not a result
     verdict ── _collective_failed: cut the own rank's connections, CollectiveError, stop every rank
     a rank's error raised inside a collective (held a moment) ── _explain: a peer that returned
         without joining it, or holds another collective under its number, is the news
@@ -128,6 +130,16 @@ class WatchedCall:
         explained.__cause__ = error
         explained.when = error.when
         return explained
+
+    def _judge_returned(self) -> None:
+        """Every rank returned: two that completed the same collective with tensors that cannot be
+        one (gloo lets a broadcast into a bigger buffer pass) got a wrong value. Say so, naming
+        the rank, rather than hand it back as a result."""
+        kept = dict(self.watch.kept)
+        verdict = verdicts.judge_returned(kept) if len(kept) > 1 else None
+        if verdict is not None:
+            raise CollectiveError([], [], rebuilt=None, what=verdict.what, kind=verdict.kind,
+                                  culprit=verdict.culprit, after="the call's results were not returned")
 
     def _where_they_were(self) -> str:
         """Where the ranks were at the last look (for the stop button's KeyboardInterrupt)."""

@@ -201,6 +201,7 @@ class CollectiveError(RankError):
             None for a ``ranch`` call (its ranks were stopped).
         kind: "absent", "mismatch", "wrong value" or "deadlock".
         culprit: for "wrong value", the rank that returned from the collective with a wrong value.
+        after: what became of the ranks, said after ``what`` (default: from ``rebuilt``).
 
     A Session keeps every rank's Python state; objects made on the old group (a DDP wrapper, a
     subgroup) must be made again.
@@ -227,7 +228,8 @@ class CollectiveError(RankError):
 
     def __init__(self, waiting: list[int], missing: list[int], op: str = "a collective",
                  errors: Optional[list[RankError]] = None, rebuilt: Optional[bool] = True,
-                 what: str = "", kind: str = "absent", culprit: Optional[int] = None):
+                 what: str = "", kind: str = "absent", culprit: Optional[int] = None,
+                 after: Optional[str] = None):
         self.waiting = sorted(waiting)
         self.missing = sorted(missing)
         self.op = op
@@ -235,9 +237,9 @@ class CollectiveError(RankError):
         self.rebuilt = rebuilt
         self.kind = kind
         self.culprit = culprit
-        after = ("every rank was stopped" if rebuilt is None else
-                 "the process group was rebuilt (Python state kept; re-create objects made on the old "
-                 "group, e.g. DistributedDataParallel)" if rebuilt else "the process group is broken")
+        after = after or ("every rank was stopped" if rebuilt is None else
+                          "the process group was rebuilt (Python state kept; re-create objects made on the "
+                          "old group, e.g. DistributedDataParallel)" if rebuilt else "the process group is broken")
         if what:
             msg = f"{what}; {after}"
         else:
