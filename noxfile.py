@@ -1,21 +1,41 @@
-"""nox sessions: tests, lint, typecheck, package, docs, bench.
+"""nox sessions: tests, lint, typecheck, package, docs, floor, bench.
 
 torch is installed first, pinned to the CPU wheel this project is tested with
 (an unpinned torch would pull a multi-GB CUDA build); the package itself only
-asks for a range, so users bring their own torch.
+asks for a range, so users bring their own torch. ``floor`` runs the
+version-sensitive tests on the oldest torch of that range.
 
-``.ci/run`` runs the README's test command, then ``nox -s lint typecheck package docs``.
+``.ci/run`` runs the README's test command, then ``nox -s lint typecheck package docs floor``.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import re
 
 import nox
 
 TORCH = "torch==2.13.0"
-nox.options.sessions = ["tests", "lint", "typecheck", "package", "docs"]
+#: The oldest torch we support (pyproject.toml: torch>=2.4; src/mpify_nb/torchdist/compat.py: FLOOR).
+FLOOR_TORCH = "torch==2.4.1"
+#: The test modules whose behaviour depends on torch's version: process groups made, destroyed,
+#: aborted and rebuilt, stuck and mismatched collectives, DDP/FSDP/DTensor, gloo's output, debugging
+#: on ranks. (test_ranch, calls and their payloads, is left to the main run: ~20 s saved.)
+FLOOR_TESTS = [
+    "tests/test_torch_versions.py",
+    "tests/test_ddp.py",
+    "tests/test_failures.py",
+    "tests/test_session.py",
+    "tests/test_session_magics.py",
+    "tests/test_magics.py",
+    "tests/test_debugging.py",
+    "tests/test_mismatch.py",
+]
+#: What FLOOR_TESTS need of the test extra (kernels, notebooks, the timeout plugin; matplotlib and tqdm
+#: in ranks' cells, ipywidgets for tqdm's widget bar).
+FLOOR_PACKAGES = ["pytest", "pytest-timeout", "ipykernel", "nbclient", "nbformat", "matplotlib", "tqdm", "ipywidgets"]
+nox.options.sessions = ["tests", "lint", "typecheck", "package", "docs", "floor"]
 
 
 @nox.session
@@ -79,6 +99,32 @@ def docs(session: nox.Session) -> None:
     session.install("-e", ".[docs]")
     session.env["NO_MKDOCS_2_WARNING"] = "1"  # Material's banner about its successor, on every build
     session.run("mkdocs", "build", "--strict", *session.posargs)
+
+
+def floor_requirements() -> list[str]:
+    """The test extra's requirements (pyproject.toml, with their version ranges) that FLOOR_TESTS use:
+    the floor job installs only these, not Ray, Lightning, transformers, fastai or JupyterLab."""
+    import tomllib
+
+    with open("pyproject.toml", "rb") as f:
+        extra = tomllib.load(f)["project"]["optional-dependencies"]["test"]
+    found = [spec for spec in extra if re.split(r"[\[<>=!~ ;]", spec, maxsplit=1)[0] in FLOOR_PACKAGES]
+    names = {re.split(r"[\[<>=!~ ;]", spec, maxsplit=1)[0] for spec in found}
+    if names != set(FLOOR_PACKAGES):
+        raise ValueError(f"FLOOR_PACKAGES not in pyproject.toml's test extra: {sorted(set(FLOOR_PACKAGES) - names)}")
+    return found
+
+
+@nox.session
+def floor(session: nox.Session) -> None:
+    """The version-sensitive tests (FLOOR_TESTS; or the tests named after ``--``) on the floor,
+    FLOOR_TORCH, as the package index builds it: a CUDA build (~3 GB of wheels) that runs on CPU.
+    One install, torch pinned so nothing may upgrade it. .ci/run installs while the main suite runs
+    (``--install-only``: 93 s on 2 cores, 5.2 GB) and then runs the tests alone (``-R``: ~5 min)."""
+    session.install(FLOOR_TORCH, "-e", ".", *floor_requirements())
+    session.run("python", "-c", f"import torch; assert torch.__version__.split('+')[0] == "
+                f"{FLOOR_TORCH.split('==')[1]!r}, torch.__version__; print('torch', torch.__version__)")
+    session.run("python", "-m", "pytest", *(session.posargs or FLOOR_TESTS))
 
 
 @nox.session

@@ -37,6 +37,29 @@ def notebook() -> Callable:
     return nbutil.run_cells
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Remember on the test item whether its call failed (for _recover_shared_kernels)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.failed:
+        item.mpify_nb_failed = True
+
+
+@pytest.fixture(autouse=True)
+def _recover_shared_kernels(request):
+    """After a test that failed, each module-scoped kernel it used (nbutil.SharedKernel) is
+    replaced by a fresh one: the next test does not inherit a stuck or dead rank."""
+    yield
+    if not getattr(request.node, "mpify_nb_failed", False):
+        return
+    import nbutil
+
+    for value in list(getattr(request.node, "funcargs", {}).values()):
+        if isinstance(value, nbutil.SharedKernel):
+            value.recover()
+
+
 @pytest.fixture
 def sigint_handler():
     """Python's own SIGINT handler (KeyboardInterrupt), with mpify_nb's in front of it as

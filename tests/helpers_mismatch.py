@@ -194,9 +194,16 @@ def healthy(workload: str):
             _late()
         return "ok"
     if workload == "dtensor":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import Shard, distribute_tensor
+        import importlib
 
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from mpify_nb.torchdist import compat
+
+        # public in torch.distributed.tensor since torch 2.5
+        dtensor = importlib.import_module("torch.distributed.tensor" if compat.torch_version() >= (2, 5)
+                                          else "torch.distributed._tensor")
+        Shard, distribute_tensor = dtensor.Shard, dtensor.distribute_tensor
         mesh = init_device_mesh("cpu", (2,))
         d = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])
         _late()
@@ -204,7 +211,11 @@ def healthy(workload: str):
     if workload == "pipeline":
         from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-        stage = PipelineStage(torch.nn.Linear(4, 4), _rank(), 2, torch.device("cpu"))
+        from mpify_nb.torchdist import compat
+
+        # torch < 2.6 does not infer the stages' shapes: a microbatch of 2 rows, given
+        given = {} if compat.torch_version() >= (2, 6) else {"input_args": torch.ones(2, 4)}
+        stage = PipelineStage(torch.nn.Linear(4, 4), _rank(), 2, torch.device("cpu"), **given)
         schedule = ScheduleGPipe(stage, 2)
         _late()
         out = schedule.step(torch.ones(4, 4)) if _rank() == 0 else schedule.step()

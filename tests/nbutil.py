@@ -225,6 +225,69 @@ def _cmdline(pid: int) -> str:
         return "?"
 
 
+# -- a kernel shared by a test module ---------------------------------------------------
+
+class SharedKernel:
+    """A test module's kernel, shared by its tests, that one failed test does not break for the
+    tests after it (a rank left stuck in a collective or dead, a cell still running when a
+    timeout ended the test): after a test that failed, conftest.py calls :meth:`recover`, which
+    ends this kernel (and kills what it left, by its marker) and makes a fresh one. One failure
+    shows as one failure.
+
+    ``make()`` returns a ready kernel driver (its setup cells run); everything else is read from
+    the driver itself (``shared.ok(...)`` is ``driver.ok(...)``)."""
+
+    def __init__(self, make: Any) -> None:
+        self._make = make
+        self._driver = make()
+        self.recoveries = 0
+
+    def __getattr__(self, name: str) -> Any:
+        driver = self.__dict__.get("_driver")
+        if driver is None:
+            raise AttributeError(name)
+        return getattr(driver, name)
+
+    def recover(self) -> None:
+        """Replace the kernel by a fresh one, ending the old one whatever its state."""
+        old, self._driver = self._driver, None
+        try:
+            old.close()
+        except BaseException as e:  # a stuck kernel's leftovers are killed on the way
+            print(f"[SharedKernel] the failed test's kernel did not close cleanly: {e!r}", file=sys.stderr)
+        marker = getattr(old, "marker", None)
+        if marker is not None:
+            kill_leftovers(marker)
+        self._driver = self._make()
+        self.recoveries += 1
+
+    def close(self) -> None:
+        if self._driver is not None:
+            self._driver.close()
+
+
+def shared_kernel(make: Any) -> Any:
+    """A module fixture's body: ``yield from shared_kernel(make)`` yields a :class:`SharedKernel`
+    and closes it at the module's end."""
+    shared = SharedKernel(make)
+    try:
+        yield shared
+    finally:
+        shared.close()
+
+
+def ready(driver: Any, run: str, cells: list[str]) -> Any:
+    """``driver`` after running ``cells`` with its method ``run`` (``"ok"``, ``"good"``, ``"cell"``);
+    closed if one fails."""
+    try:
+        for cell in cells:
+            getattr(driver, run)(cell)
+    except BaseException:
+        driver.close()
+        raise
+    return driver
+
+
 # -- a reference run under torchrun -------------------------------------------------------------
 
 def torchrun_results(script, *args: str, timeout: float = 120) -> list[dict]:

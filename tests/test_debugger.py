@@ -18,20 +18,26 @@ pytest.importorskip("ipykernel")
 pytest.importorskip("debugpy")
 pytest.importorskip("jupyter_client")
 
+import nbutil  # noqa: E402
 from helpers_debugger import DebugFrontend, LabPanel  # noqa: E402
 from mpify_nb.debugger.ids import BASE  # noqa: E402
+from versions import needs_gloo_recorder  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def front(tmp_path_factory):
-    f = DebugFrontend(str(tmp_path_factory.mktemp("debugger")))
-    try:
-        f.ok("%load_ext mpify_nb")
-        f.ok("%dist_init -n 2")
-        f.enable()
-        yield f
-    finally:
-        f.close()
+    # A test that fails leaves the next a fresh kernel and ranks, the debugger on.
+    def make() -> DebugFrontend:
+        f = nbutil.ready(DebugFrontend(str(tmp_path_factory.mktemp("debugger"))), "ok",
+                         ["%load_ext mpify_nb", "%dist_init -n 2"])
+        try:
+            f.enable()
+        except BaseException:
+            f.close()
+            raise
+        return f
+
+    yield from nbutil.shared_kernel(make)
 
 
 @pytest.fixture
@@ -259,6 +265,7 @@ def test_a_peer_waiting_on_a_stopped_rank_is_no_error_and_timeout_does_not_run(n
         nb.ok("%%local\nsession().timeout = None")
 
 
+@needs_gloo_recorder
 def test_a_mismatch_waits_while_a_rank_is_stopped_and_is_reported_once_it_goes_on(nb):
     """Rank 1 issued a broadcast that rank 0's all_reduce can never match, then stops at a
     breakpoint: no verdict while the user debugs it (it waits for the user, as at a prompt);

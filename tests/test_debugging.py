@@ -20,6 +20,7 @@ pytest.importorskip("ipykernel")
 jupyter_client = pytest.importorskip("jupyter_client")
 
 
+import nbutil  # noqa: E402
 from helpers_debugger import KernelFrontend, take_output  # noqa: E402
 
 CELL_TIMEOUT = 120.0
@@ -103,13 +104,9 @@ class Frontend(KernelFrontend):
 
 @pytest.fixture(scope="module")
 def nb(tmp_path_factory):
-    front = Frontend(str(tmp_path_factory.mktemp("debugging")))
-    try:
-        front.ok("%load_ext mpify_nb")
-        front.ok("%dist_init -n 2")
-        yield front
-    finally:
-        front.close()
+    # A test that fails leaves the next a fresh kernel and ranks.
+    yield from nbutil.shared_kernel(lambda: nbutil.ready(Frontend(str(tmp_path_factory.mktemp("debugging"))), "ok",
+                                                         ["%load_ext mpify_nb", "%dist_init -n 2"]))
 
 
 def pdb_prompts(n: int, rank: int = 1) -> list[str]:

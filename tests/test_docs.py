@@ -119,10 +119,16 @@ def _gpus_here() -> int:
     return torch.cuda.device_count()
 
 
+#: Libraries that install on any torch but turn their torch side off below a version.
+TORCH_FOR = {"transformers": (2, 6)}
+
+
 def _absent(block: Block) -> list[str]:
-    """The modules a block's 'needs' names that are not installed here."""
+    """The modules a block's 'needs' names that are not installed here (or not usable with this torch)."""
+    from versions import TORCH
+
     named = [m.strip() for m in block.marks.get("needs", "").split(",") if m.strip()]
-    return [m for m in named if importlib.util.find_spec(m) is None]
+    return [m for m in named if importlib.util.find_spec(m) is None or TORCH < TORCH_FOR.get(m, (0, 0))]
 
 
 def kernel_groups(blocks: list[Block]) -> list[list[Block]]:
@@ -194,5 +200,6 @@ def test_skipped_block(block: Block) -> None:
     if "skip" in block.marks:
         pytest.skip(f"{block.where}: {block.marks['skip']}")
     if _absent(block):
-        pytest.skip(f"{block.where}: needs {', '.join(_absent(block))} (not installed)")
+        pytest.skip(f"{block.where}: needs {', '.join(_absent(block))} (not installed, or not usable with this "
+                    f"torch: {TORCH_FOR})")
     pytest.skip(f"{block.where}: needs {_gpus_needed(block)} CUDA GPU(s); {_gpus_here()} here")

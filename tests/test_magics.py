@@ -19,7 +19,9 @@ import pytest
 from jupyter_core.utils import run_sync
 from nbclient import NotebookClient
 
+import nbutil
 from mpify_nb.magics import names_read_from_notebook
+from versions import DTENSOR_MODULE, needs_fsdp2_on_cpu
 
 ROOT = Path(__file__).resolve().parent.parent
 CELL_TIMEOUT = 120  # seconds; a cell that hangs fails the test instead of blocking the suite
@@ -125,10 +127,9 @@ def wait_for_output(cell, pattern: str, timeout: float = 60.0) -> re.Match:
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
-    k = Kernel(tmp_path_factory.mktemp("kernel"))
-    k.ok("%load_ext mpify_nb")
-    yield k
-    k.close()
+    # A test that fails leaves the next a fresh kernel.
+    yield from nbutil.shared_kernel(lambda: nbutil.ready(Kernel(tmp_path_factory.mktemp("kernel")), "ok",
+                                                         ["%load_ext mpify_nb"]))
 
 
 def process_gone(pid: int, timeout: float = 10.0) -> bool:
@@ -392,6 +393,7 @@ def test_a_ddp_model_left_by_a_ddp_cell_says_its_group_ended(kernel):
     assert kernel.ok("tuple(model.module(torch.ones(1, 2)).shape)").shown() == ["(1, 1)"]
 
 
+@needs_fsdp2_on_cpu
 def test_fsdp_modules_dtensors_and_meshes_left_by_a_ddp_cell_say_their_group_ended(kernel):
     from mpify_nb.torchdist.groups import FSDP_ENDED_MESSAGE, MESH_ENDED_MESSAGE
 
@@ -411,6 +413,24 @@ def test_fsdp_modules_dtensors_and_meshes_left_by_a_ddp_cell_say_their_group_end
         assert (ran.error.ename, ran.error.evalue) == ("RuntimeError", message), (use, ran.error_text())
     # What needs no other rank still works: this rank's own shard.
     assert kernel.ok("sharded_t.to_local().tolist()").shown() == ["[0.0, 1.0]"]
+
+
+def test_dtensors_and_meshes_left_by_a_ddp_cell_say_their_group_ended_on_every_torch(kernel):
+    """The same for DTensors and meshes alone, on every torch we support: the public DTensor API
+    (torch >= 2.5) or torch.distributed._tensor (2.4), a mesh's group names (2.8+) or infos."""
+    from mpify_nb.torchdist.groups import MESH_ENDED_MESSAGE
+
+    kernel.ok("%%ranch 2 --ddp\nimport torch\nfrom torch.distributed.device_mesh import init_device_mesh\n"
+              f"from {DTENSOR_MODULE} import Shard, distribute_tensor\n"
+              "alone_mesh = init_device_mesh('cpu', (2,))\n"
+              "alone_t = distribute_tensor(torch.arange(4.0), alone_mesh, [Shard(0)])\n"
+              "alone_full = alone_t.full_tensor().tolist()")
+    assert kernel.ok("alone_full").shown() == ["[0.0, 1.0, 2.0, 3.0]"]
+    # Before (torch < 2.8): nothing was disarmed; full_tensor() failed in gloo ("Connection closed by peer").
+    for use in ["alone_t.full_tensor()", "alone_mesh.get_group()"]:
+        ran = kernel.run(use)
+        assert (ran.error.ename, ran.error.evalue) == ("RuntimeError", MESH_ENDED_MESSAGE), (use, ran.error_text())
+    assert kernel.ok("alone_t.to_local().tolist()").shown() == ["[0.0, 1.0]"]
 
 
 def test_timeout_stops_the_cell(kernel):

@@ -30,6 +30,14 @@ from mpify_nb.magics.auto import route, split_cell  # noqa: E402
 from mpify_nb.magics.session import parse_ranks  # noqa: E402
 from test_magics import Kernel as MagicsKernel  # noqa: E402
 from test_magics import Ran, wait_for_output  # noqa: E402
+from versions import (  # noqa: E402
+    DDP_BACKWARD_WAIT,
+    DTENSOR_MODULE,
+    GLOO_RECORDER,
+    GLOO_SIZE_MISMATCH,
+    TORCH,
+    needs_fsdp2_on_cpu,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 CELL_TIMEOUT = 120
@@ -164,14 +172,12 @@ def gone(pid: int, timeout: float = 10.0) -> bool:
 
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory):
-    k = Kernel(tmp_path_factory.mktemp("dist"))
-    try:
-        k.ok("%load_ext mpify_nb")
-        ran = k.ok("%dist_init -n 2")
-        k.init_output = ran.stream("stdout")
-        yield k
-    finally:
-        k.close()
+    def make() -> Kernel:
+        k = nbutil.ready(Kernel(tmp_path_factory.mktemp("dist")), "ok", ["%load_ext mpify_nb", "%dist_init -n 2"])
+        k.init_output = nbutil.stream_text(k.nb.cells[-1])  # what %dist_init printed
+        return k
+
+    yield from nbutil.shared_kernel(make)  # a test that fails leaves the next a fresh kernel and ranks
 
 
 # -- starting, automatic mode, where cells run ---------------------------------------------------
@@ -459,20 +465,25 @@ def test_a_collective_not_every_rank_joins_ends_with_an_error_and_the_group_is_r
 
 # Issue 18: every way torch waits on a process group ends the cell when a peer cannot come.
 # Rank 0 alone (%%rank [0]) waits on a collective that rank 1, idle, never issues; no Python
-# frame of rank 0 is in distributed_c10d.py for any of these (before: the cell hung).
+# frame of rank 0 is in distributed_c10d.py for any of these (before: the cell hung). With
+# gloo's flight recorder (torch >= 2.8) the collective is named; before, what the stack shows
+# (torchdist/hidden_waits.py: the torch call that waits, or the function it waits in).
 HIDDEN_WAITS = {
     "async_work": ("", "hid_t = torch.ones(2)\nhid_w = dist.all_reduce(hid_t, async_op=True)\nhid_w.wait()",
                    "dist.all_reduce", 3),
     "functional": ("import torch.distributed._functional_collectives as funcol",
                    "hid_f = funcol.all_reduce(torch.ones(2), 'sum', dist.group.WORLD)\nhid_f.sum().item()",
-                   "dist.all_reduce", 2),
+                   "dist.all_reduce" if GLOO_RECORDER else "torch.distributed._functional_collectives.wait_tensor",
+                   2),
     "dtensor": ("from torch.distributed.device_mesh import init_device_mesh\n"
-                "from torch.distributed.tensor import distribute_tensor, Shard\n"
+                f"from {DTENSOR_MODULE} import distribute_tensor, Shard\n"
                 "hid_mesh = init_device_mesh('cpu', (2,))\n"
                 "hid_d = distribute_tensor(torch.arange(8.0), hid_mesh, [Shard(0)])",
-                "hid_full = hid_d.full_tensor()", "dist.all_gather", 1),
+                "hid_full = hid_d.full_tensor()", "dist.all_gather" if GLOO_RECORDER else "DTensor.full_tensor", 1),
     "pipeline": ("from torch.distributed.pipelining import PipelineStage, ScheduleGPipe\n"
-                 "hid_stage = PipelineStage(torch.nn.Linear(4, 4), rank, 2, torch.device('cpu'))\n"
+                 # torch < 2.6 does not infer the stages' shapes: a microbatch of 2 rows, given
+                 "hid_stage = PipelineStage(torch.nn.Linear(4, 4), rank, 2, torch.device('cpu')"
+                 + (")\n" if TORCH >= (2, 6) else ", input_args=torch.ones(2, 4))\n") +
                  "hid_sched = ScheduleGPipe(hid_stage, 2)\n"
                  "hid_sched.step(torch.ones(4, 4)) if rank == 0 else hid_sched.step()",
                  "hid_sched.step(torch.ones(4, 4))", "Work.wait() of a send", 1),
@@ -482,7 +493,8 @@ HIDDEN_WAITS = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(HIDDEN_WAITS))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=needs_fsdp2_on_cpu) if c == "fsdp2_forward" else c
+                                  for c in sorted(HIDDEN_WAITS)])
 def test_a_hidden_wait_for_an_idle_rank_ends_the_cell_and_the_group_works_again(dist, case):
     setup, cell, op, line = HIDDEN_WAITS[case]
     dist.ok(f"hid_keep = rank + 10\n{setup}")
@@ -510,7 +522,7 @@ def test_a_rank_that_raises_beside_a_ddp_backward_ends_the_cell_with_its_own_err
     number = ran.cell.execution_count
     assert text.index("rank 1 raised ValueError: boom on rank 1") < text.index("Meanwhile rank 0 was left waiting")
     assert re.search(rf"Cell In\[{number}\], line 4, in <module>\n\s+raise ValueError\('boom on rank 1'\)", text)
-    assert f"rank 0 was left waiting in dist.all_reduce (rank 0 at Cell In[{number}], line 5), which rank 1 " \
+    assert f"rank 0 was left waiting in {DDP_BACKWARD_WAIT} (rank 0 at Cell In[{number}], line 5), which rank 1 " \
            "never joined" in text, text
     ran = dist.ok("ddp_net = DDP(torch.nn.Linear(2, 1))\nddp_net(torch.ones(1, 2)).sum().backward()\n"
                   "ddp_net.module.bias.grad.item(), ddp_keep")
@@ -519,17 +531,18 @@ def test_a_rank_that_raises_beside_a_ddp_backward_ends_the_cell_with_its_own_err
 
 def test_an_anomaly_raised_in_one_ranks_backward_ends_the_cell(dist):
     """Anomaly mode raises inside rank 1's backward (a NaN gradient), while rank 0's
-    backward waits for rank 1's gradients."""
+    backward waits for rank 1's gradients. (Rank 0's root is of a positive number: with the
+    weights torch 2.4 draws, a bare sum was negative, and rank 0 raised too.)"""
     ran = dist.fails("from torch.nn.parallel import DistributedDataParallel as DDP\n"
                      "an_net = DDP(torch.nn.Linear(2, 1))\n"
                      "an_x = torch.tensor([[0.0, 1.0]]) if rank == 1 else torch.ones(1, 2)\n"
                      "with torch.autograd.detect_anomaly(check_nan=True):\n"
-                     "    an_net(an_x.sqrt() * 0 + an_x).sum().pow(0.5).mul(0).add(an_x.sqrt().sum() * 0)"
+                     "    an_net(an_x.sqrt() * 0 + an_x).sum().abs().add(1).pow(0.5).mul(0).add(an_x.sqrt().sum() * 0)"
                      ".backward() if rank == 0 else (an_net(an_x).sum() * an_x.sqrt().pow(-1).sum()).backward()",
                      "CollectiveError")
     text = ran.error_text()
     assert "rank 1 raised RuntimeError: Function" in text and "returned nan values" in text, text
-    assert "Meanwhile rank 0 was left waiting in dist.all_reduce" in text, text
+    assert f"Meanwhile rank 0 was left waiting in {DDP_BACKWARD_WAIT}" in text, text
 
 
 def test_a_rank_that_computes_long_is_waited_for(dist):
@@ -565,7 +578,7 @@ def test_a_rank_that_a_collective_aborts_says_how_to_recover(dist):
     # Rank 0 sends 2 floats where rank 1 expects 1: gloo aborts rank 1 (SIGABRT), its message on stderr.
     ran = dist.fails("dist.all_gather([torch.zeros(2 - rank) for _ in range(2)], torch.ones(2 - rank))",
                      "RankExitedError")
-    assert "Received data size doesn't match expected size" in ran.stream("stderr"), ran.outputs
+    assert any(wording in ran.stream("stderr") for wording in GLOO_SIZE_MISMATCH), ran.outputs
     shown = ("RankExitedError: rank 1 was killed by SIGABRT (an abort in C++ code, e.g. gloo's check that a "
              "collective's tensors match: the rank printed why on its stderr)\n"
              "Its Python state is lost; %dist_restart starts a fresh rank 1 and rebuilds the group "

@@ -20,6 +20,7 @@ import pytest
 pytest.importorskip("ipykernel")
 pytest.importorskip("ipywidgets")
 
+import nbutil  # noqa: E402
 from mpify_nb.magics.views import tabs_unavailable  # noqa: E402
 from test_debugging import ANSI, Frontend  # noqa: E402
 
@@ -111,13 +112,9 @@ class Client(Frontend):
 
 @pytest.fixture(scope="module")
 def nb(tmp_path_factory):
-    front = Client(str(tmp_path_factory.mktemp("views")))
-    try:
-        front.good("%load_ext mpify_nb")
-        front.good("%dist_init -n 3")
-        yield front
-    finally:
-        front.close()
+    # A test that fails leaves the next a fresh kernel and ranks.
+    yield from nbutil.shared_kernel(lambda: nbutil.ready(Client(str(tmp_path_factory.mktemp("views"))), "good",
+                                                         ["%load_ext mpify_nb", "%dist_init -n 3"]))
 
 
 # -- lines view ----------------------------------------------------------------------------------

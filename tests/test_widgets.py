@@ -20,6 +20,7 @@ pytest.importorskip("ipywidgets")
 pytest.importorskip("ipykernel")
 pytest.importorskip("jupyter_client")
 
+import nbutil  # noqa: E402
 from test_debugging import ANSI, CELL_TIMEOUT, Frontend  # noqa: E402
 
 
@@ -126,13 +127,9 @@ class WidgetFrontend(Frontend):
 
 @pytest.fixture(scope="module")
 def fe(tmp_path_factory):
-    front = WidgetFrontend(str(tmp_path_factory.mktemp("widgets")))
-    try:
-        front.cell("%load_ext mpify_nb")
-        front.cell("%dist_init -n 2")
-        yield front
-    finally:
-        front.close()
+    # A test that fails leaves the next a fresh kernel and ranks.
+    yield from nbutil.shared_kernel(lambda: nbutil.ready(WidgetFrontend(str(tmp_path_factory.mktemp("widgets"))),
+                                                         "cell", ["%load_ext mpify_nb", "%dist_init -n 2"]))
 
 
 def child_ids(fe: WidgetFrontend, comm_id: str) -> list[str]:

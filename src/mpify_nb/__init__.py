@@ -35,11 +35,15 @@ from .session.session import RankStatus, Session
 from .start import placement, template
 from .start.placement import get_placement, get_start_method, set_placement, set_start_method
 from .start.template import set_preload
+from .torchdist import compat as _compat
 from .wire import errors
 from .wire.errors import PayloadError, RankError, RankExitedError, RankRaisedError
 from .wire.modules import set_rank_imports
 
 __version__ = "0.1.0"
+
+# A torch older than the floor fails here, naming both versions (read without importing torch).
+_compat.check_floor()
 
 __all__ = [
     "ranch",

@@ -25,6 +25,7 @@ import os
 import warnings
 from typing import Any, Callable, Optional
 
+from .torchdist import compat
 from .torchdist.groups import GpuSpec, group_count, listen_on, parse_gpus, set_group_count
 
 
@@ -180,7 +181,8 @@ class TorchDDPCtx:
                 kwargs["store"] = store or _make_store(is_master=rank == int(store_rank))
             else:
                 kwargs["init_method"] = "env://"
-            dist.init_process_group(**kwargs)
+            with compat.quiet_gloo_banner():
+                dist.init_process_group(**kwargs)
         except BaseException:
             set_group_count(groups_before)
             self._restore_device()
@@ -192,7 +194,7 @@ class TorchDDPCtx:
 
         try:
             if dist.is_initialized():
-                dist.destroy_process_group()
+                compat.destroy_process_group()  # torch < 2.8's gloo could deadlock in destroy_process_group
         finally:
             self._restore_device()
 
@@ -218,7 +220,8 @@ def _make_store(is_master: bool) -> Any:
         return TCPStore(addr, port, world_size, is_master=False)
     # The store owns the listening socket from here on, and closes it.
     return TCPStore(addr, port, world_size, is_master=True, wait_for_workers=False,
-                    master_listen_fd=listen_on(addr, port, world_size * 2).detach())
+                    master_listen_fd=listen_on(addr, port, world_size * 2).detach(),
+                    **compat.listen_fd_store_options())
 
 
 def in_torchddp(

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..torchdist import compat
 from ..torchdist.recorder import ROOTED, Op, Tensors, numel, p2p_apart, pairs, why_apart
 from ..torchdist.waits import Snapshot
 from ..wire.errors import source_location
@@ -323,7 +324,18 @@ def where_text(snaps: dict[int, Snapshot], now_ns: int, prompts: frozenset = fro
             at = f" at line {s.where[1]}" if s.where[0] == last_file else f" at {_location(s.where)}"
             last_file = s.where[0]
         parts.append(f"rank {r}{at}: {doing}")
-    return "; ".join(parts)
+    return "; ".join(parts) + unchecked_note(snaps)
+
+
+def unchecked_note(snaps: dict[int, Snapshot]) -> str:
+    """What :func:`where_text` adds where ranks wait in collectives no recorder numbered (gloo
+    before torch 2.8): that whether they match went unchecked, and which torch checks it."""
+    unnumbered = [r for r, s in snaps.items()
+                  if (op := _waiting_op(s)) is not None and not op.is_p2p and op.seq is None]
+    if len(unnumbered) < 2 or compat.gloo_records_collectives():
+        return ""
+    return (f" (whether these collectives match is not checked: gloo records them from torch 2.8, "
+            f"this is torch {compat.installed_torch_version()})")
 
 
 def _doing_text(s: Snapshot, now_ns: int, at_prompt: bool, short: bool) -> str:

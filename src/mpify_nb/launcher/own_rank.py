@@ -24,7 +24,7 @@ from types import FrameType
 from typing import Any, Callable, Optional
 
 from ..engine import interrupts
-from ..torchdist import groups, libraries
+from ..torchdist import compat, groups, libraries
 from .stopping import SafeStop, set_async_exception
 
 
@@ -202,7 +202,7 @@ class CallerState:
                 dist = torch.distributed
                 if not self.dist_was_up and dist.is_available():
                     if dist.is_initialized():
-                        dist.destroy_process_group()  # the function left its group up
+                        compat.destroy_process_group()  # the function left its group up
                     if self.group_count is not None:
                         groups.set_group_count(self.group_count)  # e.g. after a failed rendezvous
             except Exception:

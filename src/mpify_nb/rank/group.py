@@ -13,7 +13,7 @@ import os
 import socket
 from typing import Optional
 
-from ..torchdist import groups, waits
+from ..torchdist import compat, groups, waits
 
 #: Seconds a rank waits in the rendezvous for its peers (a peer that died meanwhile).
 _RENDEZVOUS_TIMEOUT = 60.0
@@ -58,11 +58,12 @@ def init_group(rendezvous: tuple[str, int, bool], listen_fd: Optional[int]) -> N
         if listen_fd is None:
             listen_fd = groups.listen_on(addr, port, world * 2).detach()
         store = TCPStore(addr, port, world, is_master=True, wait_for_workers=False, timeout=timeout,
-                         master_listen_fd=listen_fd)
+                         master_listen_fd=listen_fd, **compat.listen_fd_store_options())
     else:
         store = TCPStore(addr, port, world, is_master=False, timeout=timeout)
     waits.enable_recorder()  # the caller's watch reads what the group records (torchdist/waits.py)
-    dist.init_process_group(backend=_group["backend"], rank=rank, world_size=world, store=store)
+    with compat.quiet_gloo_banner():
+        dist.init_process_group(backend=_group["backend"], rank=rank, world_size=world, store=store)
 
 
 def cut_connections(peers: list[tuple[int, str]]) -> None:
@@ -194,11 +195,9 @@ def destroy_group(abort: bool = False) -> None:
         if not dist.is_initialized():
             return
         if abort and _group.get("backend") == "nccl":
-            from torch.distributed import distributed_c10d
-
-            distributed_c10d._abort_process_group()
+            compat.abort_process_group()
         else:
-            dist.destroy_process_group()
+            compat.destroy_process_group()  # torch < 2.8's gloo could deadlock in destroy_process_group
     except Exception:
         pass  # a group torn down by its peers may fail to say goodbye; it is gone either way
 

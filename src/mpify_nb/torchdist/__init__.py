@@ -1,10 +1,12 @@
 """What mpify_nb knows of torch.distributed and the training libraries built on it.
 
 ``groups`` (GPU ids, the store's listening socket, torch's group count), ``waits`` (a look at a
-rank: what it waits in, from torch's flight recorder and its stack, and where it is),
-``recorder`` (the recorder's dumps, gloo's and NCCL's, read as ops), ``p2p`` (the peer and tag
-``isend``/``irecv`` note beside their ``Work``, which gloo records nowhere) and ``libraries`` (what
-accelerate, Lightning and Hugging Face expect of a rank, and leave behind).
+rank: what it waits in, from torch's flight recorder and its stack, and where it is; ``hidden_waits``:
+the stack and CPU time standing in for gloo's recorder before torch 2.8), ``recorder`` (the
+recorder's dumps, gloo's and NCCL's, read as ops), ``p2p`` (the peer and tag ``isend``/``irecv``
+note beside their ``Work``, which gloo records nowhere), ``libraries`` (what accelerate, Lightning
+and Hugging Face expect of a rank, and leave behind) and ``compat`` (which torch has what: every
+version check, in one place).
 
 Both sides use it. It imports nothing else of mpify_nb.
 """

@@ -19,6 +19,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
+from . import compat
+
 GpuSpec = Union[str, Sequence[int], None]
 
 
@@ -96,8 +98,8 @@ def disarm_ended_ddp(roots: Sequence[Any]) -> int:
         return 0
     ddp_type = parallel.DistributedDataParallel
     # Only when the call imported them: a notebook that never used FSDP or DTensor has none.
-    fsdp_type = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
-    dtensor_type = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    fsdp_type = compat.fsdp_module_type()
+    dtensor_type = compat.dtensor_type()
     mesh_type = getattr(sys.modules.get("torch.distributed.device_mesh"), "DeviceMesh", None)
     found = 0
     seen: set[int] = set()
@@ -138,18 +140,19 @@ def _refuse_ended_group(module, args) -> None:
 
 
 class _EndedGroupNames(list):
-    """A DeviceMesh's group names, once its groups ended: every collective on the mesh (a
-    DTensor's ``full_tensor``, ``redistribute``, ``mesh.get_group()``) looks its group up by
-    index here, and gets the reason instead. Iterating (pickling the mesh) still works."""
+    """A DeviceMesh's group names (torch < 2.8: its group infos), once its groups ended: every
+    collective on the mesh (a DTensor's ``full_tensor``, ``redistribute``, ``mesh.get_group()``)
+    looks its group up by index here, and gets the reason instead. Iterating (pickling the mesh)
+    still works."""
 
     def __getitem__(self, index: Any) -> Any:
         raise RuntimeError(MESH_ENDED_MESSAGE)
 
 
 def _refuse_collectives(mesh: Any) -> None:
-    names = getattr(mesh, "_dim_group_names", None)  # private to torch: guarded, as is its type
-    if type(names) is list:
-        mesh._dim_group_names = _EndedGroupNames(names)
+    name = compat.mesh_group_names_attribute(mesh)  # private to torch, and named by version
+    if name is not None:
+        setattr(mesh, name, _EndedGroupNames(getattr(mesh, name)))
 
 
 def _one_level_down(roots: Sequence[Any]):

@@ -14,6 +14,9 @@ caller's own rank of a ``ranch`` call::
     (blocked_call)            tag, a broadcast's src: the recorder keeps no roots), a
                               ``Work.wait()``, a DDP forward; else the line it runs, or the
                               function it is blocked in (``sleep()``), and its user's line.
+    hidden_waits.py           where gloo has no recorder (torch < 2.8): a wait deeper in
+                              torch (a DTensor's, a functional collective's, DDP's backward),
+                              seen from the stack and the thread's CPU time.
 
 A look costs about 0.3 ms (a 32-entry recorder: ``RECORDER_ENTRIES``), and nothing happens
 between looks: no thread of ours polls while the user's code runs.
@@ -26,7 +29,6 @@ import functools
 import linecache
 import os
 import pickle
-import re
 import sys
 import threading
 import time
@@ -34,7 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from . import p2p
+from . import compat, hidden_waits, p2p
 from .recorder import ROOTED, Op, entries_to_ops, issued, with_root
 
 #: Entries the recorder keeps (a ring). Only the newest matter: an unfinished collective is
@@ -94,10 +96,7 @@ def recorder_env(env: Optional[Mapping[str, str]] = None) -> dict[str, str]:
     env = os.environ if env is None else env
     if any(env.get(name) for name in RECORDER_VARIABLES):
         return {}
-    # Its name since torch 2.8 (gloo's and NCCL's recorder); NCCL's own before, deprecated after.
-    torch = sys.modules.get("torch")
-    version = tuple(int(p) for p in re.findall(r"\d+", getattr(torch, "__version__", "2.8"))[:2])
-    return {"TORCH_FR_BUFFER_SIZE" if version >= (2, 8) else "TORCH_NCCL_TRACE_BUFFER_SIZE": str(RECORDER_ENTRIES)}
+    return {compat.recorder_variable(): str(RECORDER_ENTRIES)}
 
 
 def enable_recorder() -> None:
@@ -208,6 +207,11 @@ def snapshot(rank: int, thread_id: int, native_id: Optional[int] = None, stack: 
             if not o.done and not o.is_p2p and (blocked.group is None or o.group == blocked.group):
                 ops[i] = blocked = with_root(o, blocked.root if o.kind == blocked.kind else None)
                 break
+    if blocked is None and not label and not ops and _unrecorded_group():
+        # gloo before torch 2.8 records nothing: a wait deeper in torch is seen another way
+        hidden = hidden_waits.look(thread_id)
+        if hidden is not None:
+            label, any_peer = hidden, True  # its collective, and so its peers, unknown
     where = user_line(frame)
     if blocked is not None or label:
         doing = "waiting"
@@ -334,6 +338,10 @@ def blocked_call(frame: Any) -> tuple[Optional[Op], str, bool]:
             if note is not None:  # its isend/irecv noted its peer and tag
                 op, peer_unknown = _p2p_op(*note)
                 return op, label, peer_unknown
+            if kind is None and (collective := _COLLECTIVE_OPS.get(int(work._get_op_type()))) is not None:
+                # An async_op collective's: named as the user called it (the recorder, where there is
+                # one, gives its number; before torch 2.8 gloo's has none, and this is all there is).
+                return Op(collective), f"dist.{collective}", False
             return (Op(kind) if kind else None), label, kind is not None
     return None, "", False
 
@@ -397,6 +405,11 @@ def _group_name(group: Any) -> Optional[str]:
 
 #: torch's OpType numbers of point-to-point work (c10d/Types.hpp: SEND, RECV, RECVANYSOURCE).
 _P2P_OPS = {12: "send", 13: "recv", 14: "recv"}
+#: ... and of collectives, by the torch.distributed function that issues them.
+_COLLECTIVE_OPS = {0: "broadcast", 1: "all_reduce", 2: "all_reduce_coalesced", 3: "reduce", 4: "all_gather",
+                   5: "all_gather_into_tensor", 6: "all_gather_coalesced", 7: "gather", 8: "scatter",
+                   9: "reduce_scatter", 10: "all_to_all_single", 11: "all_to_all", 15: "barrier",
+                   16: "reduce_scatter_tensor"}
 
 
 def _calling(frame) -> Optional[str]:
@@ -504,3 +517,14 @@ def native_id_of(thread_id: int) -> Optional[int]:
         if thread.ident == thread_id:
             return thread.native_id
     return None
+
+
+def _unrecorded_group() -> bool:
+    """Is this process's group one whose collectives the recorder misses (gloo before torch 2.8)?"""
+    if compat.has_gloo_recorder():
+        return False
+    dist = _dist()
+    try:
+        return dist is not None and dist.get_backend() == "gloo"
+    except Exception:
+        return False
