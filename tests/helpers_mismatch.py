@@ -186,9 +186,13 @@ def healthy(workload: str):
             opt.step()
         return round(model.module.bias.item(), 4)
     if workload == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        net = fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)))
+        # A CPU mesh, said: fully_shard's default mesh is CUDA's wherever CUDA is, and a gloo
+        # rank with no GPU of its own then fails ("invalid device ordinal" on an H200 with 2 ranks).
+        mesh = init_device_mesh("cpu", (2,))
+        net = fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)), mesh=mesh)
         for _ in range(3):
             net(torch.ones(2, 4)).sum().backward()
             _late()

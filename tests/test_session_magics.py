@@ -487,8 +487,10 @@ HIDDEN_WAITS = {
                  "hid_sched = ScheduleGPipe(hid_stage, 2)\n"
                  "hid_sched.step(torch.ones(4, 4)) if rank == 0 else hid_sched.step()",
                  "hid_sched.step(torch.ones(4, 4))", "Work.wait() of a send", 1),
-    "fsdp2_forward": ("from torch.distributed.fsdp import fully_shard\ntorch.manual_seed(0)\n"
-                      "hid_net = fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)))",
+    "fsdp2_forward": ("from torch.distributed.device_mesh import init_device_mesh\n"
+                      "from torch.distributed.fsdp import fully_shard\ntorch.manual_seed(0)\n"
+                      "hid_net = fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)),\n"
+                      "                     mesh=init_device_mesh('cpu', (2,)))",
                       "hid_out = hid_net(torch.ones(2, 4))", "dist.all_gather", 1),
 }
 
