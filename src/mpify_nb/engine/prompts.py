@@ -78,11 +78,12 @@ class _TerminalFrontend:
 
 
 def _frontend() -> Any:
+    # A kernel has imported ipykernel long before; a script has not, and importing it here to ask
+    # would cost the first call ~0.1 s and put jupyter_client's modules in every rank's imports.
+    kernelbase = sys.modules.get("ipykernel.kernelbase")
     try:
-        from ipykernel.kernelbase import Kernel
-
-        if Kernel.initialized():
-            return _KernelFrontend(Kernel.instance())
+        if kernelbase is not None and kernelbase.Kernel.initialized():
+            return _KernelFrontend(kernelbase.Kernel.instance())
     except Exception:
         pass
     stdin = sys.__stdin__
