@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
@@ -39,6 +39,22 @@ import nbutil
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 #: How long a test waits for the kernel to answer a debug request, or for an event.
 DAP_TIMEOUT = 60.0
+
+
+def _first(get: Callable[..., Any], wanted: Callable[[Any], bool], timeout: float, why: Callable[[], str]) -> Any:
+    """The first item ``get(timeout=...)`` gives that is ``wanted`` (others are skipped), within
+    ``timeout`` seconds; else AssertionError(``why()``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(why())
+        try:
+            item = get(timeout=left)
+        except queue.Empty:
+            continue
+        if wanted(item):
+            return item
 
 
 @dataclass
@@ -166,17 +182,10 @@ class DebugFrontend(KernelFrontend):
     def next_event(self, name: str, timeout: float = DAP_TIMEOUT, **body: Any) -> dict:
         """The next debug_event called ``name`` whose body has ``body``'s items (others before it
         are skipped)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"no {name} event {body} within {timeout} s; seen: {self.event_log[-10:]}")
-            try:
-                event = self.events.get(timeout=left)
-            except queue.Empty:
-                continue
-            if event.get("event") == name and all(event.get("body", {}).get(k) == v for k, v in body.items()):
-                return event
+        return _first(self.events.get,
+                      lambda event: event.get("event") == name
+                      and all(event.get("body", {}).get(k) == v for k, v in body.items()),
+                      timeout, lambda: f"no {name} event {body} within {timeout} s; seen: {self.event_log[-10:]}")
 
     def drain_events(self) -> list[dict]:
         out = []
@@ -230,17 +239,10 @@ class DebugFrontend(KernelFrontend):
         content = {"type": "request", "seq": self._seq, "command": command, "arguments": arguments}
         msg = self.kc.session.msg("debug_request", content)
         self.kc.control_channel.send(msg)
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"no reply to {command} {arguments} within {timeout} s")
-            try:
-                reply = self.kc.control_channel.get_msg(timeout=left)
-            except queue.Empty:
-                continue
-            if reply["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
-                return reply["content"]
+        reply = _first(self.kc.control_channel.get_msg,
+                       lambda reply: reply["parent_header"].get("msg_id") == msg["header"]["msg_id"],
+                       timeout, lambda: f"no reply to {command} {arguments} within {timeout} s")
+        return reply["content"]
 
     def enable(self) -> dict:
         """What JupyterLab sends when its debugger is turned on; returns debugInfo's body."""
