@@ -151,8 +151,8 @@ def _peek_stdin(state: RankState, control: socket.socket, req_id: int, body: Any
         if delay:
             time.sleep(delay)
         request = state.request
-        if request == NO_REQUEST:
-            return
+        if request == NO_REQUEST or stdin.asking():
+            return  # a read through sys.stdin asks for itself: the control thread must not sleep past its ANSWER
         if stdin.raw_read_waiting(quick=True):
             send(control, pack(ASK, request, pickle.dumps(stdin.RAW)))
             return

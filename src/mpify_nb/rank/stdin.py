@@ -50,6 +50,7 @@ class _State:
         self.cond = threading.Condition()
         self.tokens = itertools.count(1)
         self.answers: dict[int, Answer] = {}
+        self.out: set[int] = set()  # tokens of sys.stdin reads that wait for their answer
         self.send_ask: Optional[Callable[[int], None]] = None
         self.pipe_w = -1
         self.pipe_inode = ""
@@ -108,6 +109,11 @@ def deliver(token: int, answer: Answer) -> None:
     with _state.cond:
         _state.answers[token] = answer
         _state.cond.notify_all()
+
+
+def asking() -> bool:
+    """Does a read through sys.stdin wait for its answer (its prompt is the partial line on stdout)?"""
+    return bool(_state.out)
 
 
 def _end_raw_read() -> None:
@@ -220,17 +226,23 @@ class RankStdin(io.TextIOBase):
         return 0
 
     def readline(self, size: Optional[int] = -1) -> str:  # type: ignore[override]
-        process.flush_stdio()  # the prompt ("(Pdb) ", input()'s) reaches the caller first
         send_ask = _state.send_ask
         if send_ask is None:
+            process.flush_stdio()
             return ""
         with _state.cond:
             token = next(_state.tokens)
-        send_ask(token)
-        with _state.cond:
-            while token not in _state.answers:
-                _state.cond.wait()
-            answer = _state.answers.pop(token)
+            _state.out.add(token)  # before the prompt goes out: its partial line needs no peek (asking())
+        try:
+            process.flush_stdio()  # the prompt ("(Pdb) ", input()'s) reaches the caller first
+            send_ask(token)
+            with _state.cond:
+                while token not in _state.answers:
+                    _state.cond.wait()
+                answer = _state.answers.pop(token)
+        finally:
+            with _state.cond:
+                _state.out.discard(token)
         if isinstance(answer, tuple):
             kind, message = answer
             if kind == INTERRUPTED:
