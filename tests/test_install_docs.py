@@ -4,7 +4,7 @@ fastai, each a command pip itself parses, Jupyter included; no page installs mpi
 not; a page that runs nox says how to get it.
 
 The walk itself (a fresh venv, these lines, a kernel running the quickstart's first 2-rank cell) is timed by
-hand for each docs change that touches it: tests/scripts/newcomer.sh.
+hand for each docs change that touches it: tests/scripts/newcomer.py.
 """
 
 from __future__ import annotations
