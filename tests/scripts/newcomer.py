@@ -144,7 +144,7 @@ def main() -> int:
             raise RuntimeError(f"the kernel run failed:\n{ran.stderr[-3000:]}")
         lines = [json.loads(line) for line in ran.stdout.splitlines() if line.startswith("{")]
         times.append(("kernel started", lines[0]["kernel_start_s"]))
-        for (code, expected), result in zip(cells, lines[1:]):
+        for (_code, expected), result in zip(cells, lines[1:]):
             label = f"cell: {result['cell'][:40]}"
             times.append((label, result["seconds"]))
             print(f"--- {result['cell']}\n{result['shown']}", end="")
