@@ -94,11 +94,15 @@ def package(session: nox.Session) -> None:
 def docs(session: nox.Session) -> None:
     """Build the site into site/ with ``mkdocs build --strict``: a broken link, anchor or API reference, a
     missing snippet or an example notebook that fails (the build runs them, mkdocs_hooks.py) fails it.
-    Every code block of the pages themselves is run by tests/test_docs.py."""
+    Then tests/site_links.py crawls site/: every internal link and anchor of every page, the notebook
+    pages included, must resolve. Every code block of the pages themselves is run by tests/test_docs.py."""
     session.install(TORCH)
     session.install("-e", ".[docs]")
     session.env["NO_MKDOCS_2_WARNING"] = "1"  # Material's banner about its successor, on every build
     session.run("mkdocs", "build", "--strict", *session.posargs)
+    # --strict checks the Markdown pages' links, not the notebook pages' (mkdocs-jupyter renders them
+    # later) nor the anchors the pages end up with: crawl what was built (a second or two).
+    session.run("python", "tests/site_links.py", "site")
 
 
 def floor_requirements() -> list[str]:

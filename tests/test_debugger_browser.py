@@ -1,8 +1,9 @@
 """End to end in a real browser (issue 29): JupyterLab in headless Chromium, its debugger panel on,
 a breakpoint clicked in the gutter of a cell that runs on 2 ranks, and the variables panel showing
-rank 1's local, then a step. Screenshots of the page go to the test's tmp folder, or, with
-``MPIFY_NB_SCREENSHOTS=docs``, over the docs' pictures (docs/images/debugger-panel.png and
-debugger-step.png).
+rank 1's local, then a step. Screenshots go to the test's tmp folder: the whole page, and the docs'
+pictures cut out of it (the rank cell beside the variables and call stack, narrow enough for the docs
+page to show at full size); with ``MPIFY_NB_SCREENSHOTS=docs`` the pictures go over the docs' own
+(docs/images/debugger-panel.png and debugger-step.png).
 
 Skipped where Debian's ``chromium``/``chromium-driver`` or JupyterLab and selenium are missing.
 Nothing is downloaded: selenium drives /usr/bin/chromium through /usr/bin/chromedriver.
@@ -137,6 +138,45 @@ def _click_titled(driver, title: str) -> None:
     buttons[0].click()
 
 
+#: The widest picture the docs page shows without shrinking it (Material's content column).
+PICTURE_WIDTH = 680
+
+
+def _save_picture(driver, page_png, out) -> None:
+    """The rank cell (its prompt, gutter and code) and the debugger's variables and call stack, cut out of
+    the page's screenshot and set side by side, at most PICTURE_WIDTH wide: what the docs show, readable.
+    The variables list is scrolled to its end first, where the cell's own locals are (x, then y)."""
+    from PIL import Image
+
+    for body in driver.find_elements(By.CSS_SELECTOR, ".jp-DebuggerVariables-body"):
+        driver.execute_script("arguments[0].scrollTop = arguments[0].scrollHeight", body)
+    time.sleep(0.3)  # one repaint (a picture only: nothing is asserted on it)
+    driver.save_screenshot(str(page_png))
+    scale = float(driver.execute_script("return window.devicePixelRatio") or 1)
+
+    def box(*elements):
+        rects = [e.rect for e in elements]
+        left, top = min(r["x"] for r in rects), min(r["y"] for r in rects)
+        right = max(r["x"] + r["width"] for r in rects)
+        bottom = max(r["y"] + r["height"] for r in rects)
+        return [round(v * scale) for v in (left, top, right, bottom)]
+
+    page = Image.open(page_png)
+    cell = box(driver.find_elements(By.CSS_SELECTOR, ".jp-Notebook .jp-CodeCell")[2])
+    # the sidebar from its title (the notebook's name, "VARIABLES") down to the last frame of the call stack
+    panel = box(driver.find_element(By.CSS_SELECTOR, ".jp-DebuggerSidebar"))
+    frames = box(*driver.find_elements(By.CSS_SELECTOR, ".jp-DebuggerCallstackFrame"))
+    panel[3] = frames[3] + round(6 * scale)
+    gap = 12
+    cell[2] = min(cell[2], cell[0] + PICTURE_WIDTH - gap - (panel[2] - panel[0]))  # the code is short
+    left, right = page.crop(tuple(cell)), page.crop(tuple(panel))
+    picture = Image.new("RGB", (left.width + gap + right.width, max(left.height, right.height)), "white")
+    picture.paste(left, (0, 0))
+    picture.paste(right, (left.width + gap, 0))
+    assert picture.width <= PICTURE_WIDTH, picture.size
+    picture.save(out)
+
+
 def _output(driver, index: int) -> str:
     cell = driver.find_elements(By.CSS_SELECTOR, ".jp-Notebook .jp-CodeCell")[index]
     return "\n".join(o.text for o in cell.find_elements(By.CSS_SELECTOR, ".jp-OutputArea-output"))
@@ -184,12 +224,12 @@ def test_jupyterlab_debugger_panel_shows_rank_1_stopped_in_the_gutter_breakpoint
     callstack = driver.find_element(By.CSS_SELECTOR, ".jp-DebuggerCallstack").text
     assert "<module>" in callstack and "mpify_nb" not in callstack
     shots = SCREENSHOTS or tmp_path
-    driver.save_screenshot(str(shots / "debugger-panel.png"))
+    _save_picture(driver, tmp_path / "page-stopped.png", shots / "debugger-panel.png")
     # next: rank 1 steps to line 4, its new local in the panel
     _click_titled(driver, "Next (F10)")
     _wait(driver, lambda d: [e for e in d.find_elements(By.CSS_SELECTOR, ".jp-DebuggerVariables")
                              if "y" in e.text and "11" in e.text], "the variables panel never showed y = 11")
-    driver.save_screenshot(str(shots / "debugger-step.png"))
+    _save_picture(driver, tmp_path / "page-stepped.png", shots / "debugger-step.png")
     # continue: the cell finishes with both ranks' values
     _click_titled(driver, "Continue (F9)")
     _wait(driver, lambda d: "[rank 1] 10" in _output(d, 2), "the cell did not finish after continue")

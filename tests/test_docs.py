@@ -22,7 +22,7 @@ from docblocks import Block
 nbutil = pytest.importorskip("nbutil")  # the notebook stack (nbclient, ipykernel)
 
 #: The public names, and the error classes users catch that live in mpify_nb.errors.
-PUBLIC = [*mpify_nb.__all__, "errors.CollectiveError", "errors.StdinUnavailableError"]
+PUBLIC = [*mpify_nb.__all__, "errors.CollectiveError", "errors.StdinUnavailableError", "errors.SessionClosedError"]
 CELL_TIMEOUT = 300
 
 

@@ -283,7 +283,29 @@ class StdinUnavailableError(RuntimeError):
 
 
 class SessionClosedError(RuntimeError):
-    """The :class:`~mpify_nb.Session` is closed: start a new one."""
+    """The :class:`~mpify_nb.Session` is closed: start a new one (``%dist_init`` in a notebook).
+
+    Raised by a call on a closed Session, and by a call that was running when another thread
+    closed it. Its ranks are gone; nothing of theirs is left running.
+
+    Example (a notebook cell):
+
+    ```python
+    from mpify_nb import Session
+    from mpify_nb.errors import SessionClosedError
+
+    s = Session(2)
+    s.close()
+    try:
+        s.run("rank")
+    except SessionClosedError as e:
+        print(e)
+    ```
+
+    ```output
+    this Session is closed; start a new one
+    ```
+    """
 
 
 def merge_rank_errors(errors: list[RankError]) -> RankError:
