@@ -334,7 +334,7 @@ def test_a_new_interpreter_finds_this_copy_of_the_package(monkeypatch: pytest.Mo
     import subprocess
     import sys
 
-    from mpify_nb.start.template import bootstrap_env
+    from mpify_nb.start.environ import bootstrap_env
 
     monkeypatch.delenv("PYTHONPATH", raising=False)
 

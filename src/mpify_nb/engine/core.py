@@ -51,7 +51,6 @@ import os
 import pickle
 import select
 import selectors
-import signal
 import socket
 import threading
 import time
@@ -63,7 +62,7 @@ from ..start import placement
 from ..wire import framing, payload
 from ..wire.errors import RankExitedError
 from ..wire.protocol import ANSWER, ASK, NO_REQUEST, PEEK_STDIN, pack, unpack
-from . import interrupts, prompts
+from . import prompts
 from . import watch as collective_watch
 
 
@@ -517,25 +516,3 @@ class Engine:
                 os.close(fd)
             except OSError:
                 pass
-
-
-def take_sigint(on_sigint: Callable[[], None], call: interrupts.Interruptible) -> Callable[[], None]:
-    """While a call waits: SIGINT (the stop button) calls ``on_sigint`` (a flag and a wake,
-    never raising anywhere, so it never cuts a message in half), unless the process ignores it.
-    On another thread, the main thread's handler reaches ``call`` through engine/interrupts.py.
-    Returns what puts it back."""
-    if threading.current_thread() is not threading.main_thread():
-        interrupts.install()
-        interrupts.register(call)
-        return lambda: interrupts.unregister(call)
-    if interrupts.process_ignores_sigint():
-        return lambda: None  # the process ignores SIGINT (nohup, a CI runner): it keeps ignoring it
-    try:
-        old = signal.signal(signal.SIGINT, lambda signum, frame: on_sigint())
-    except ValueError:
-        return lambda: None
-
-    def restore() -> None:
-        signal.signal(signal.SIGINT, old)
-
-    return restore

@@ -47,12 +47,13 @@ from typing import Any, Callable, Optional
 
 from ..engine import core, interrupts
 from ..relay.pipes import OutputRelay
-from ..start import placement, preload, template
+from ..start import environ, placement, preload, template
 from ..torchdist import libraries, waits
 from ..wire import framing, payload
 from ..wire.errors import PayloadError, RankError, RemoteFailure, safe_str
 from ..wire.protocol import CALL, DONE, FAIL, GO, IMPORTED, READY, pack
 from . import own_rank
+from .checks import _check_arguments, _check_capacity, _check_working_directory
 from .watched import WatchedCall
 
 # Seconds a finished rank may take to exit after sending its value before it is killed.
@@ -135,88 +136,6 @@ def ranch(
     return None if caller_rank is None else values[caller_rank]
 
 
-def _check_arguments(nprocs, fn, caller_rank, ctx, timeout) -> None:
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs must be a positive integer, not {nprocs!r}")
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, not {type(fn).__name__}")
-    if caller_rank is not None and (
-        isinstance(caller_rank, bool) or not isinstance(caller_rank, int) or not 0 <= caller_rank < nprocs
-    ):
-        raise ValueError(f"caller_rank must be None or an integer in [0, {nprocs}), not {caller_rank!r}")
-    if ctx is not None and not (hasattr(ctx, "__enter__") and hasattr(ctx, "__exit__")):
-        raise TypeError(
-            f"ctx must be a context manager (with __enter__ and __exit__), not {type(ctx).__name__}; "
-            "did you pass in_torchddp instead of in_torchddp()?"
-        )
-    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ValueError(f"timeout must be a positive number of seconds or None, not {timeout!r}")
-
-
-def _check_working_directory() -> None:
-    # Ranks start in the caller's working directory; a deleted one has no path to give them.
-    try:
-        os.getcwd()
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            "ranch: this process's working directory no longer exists (deleted or unmounted), so "
-            "the ranks cannot start in it; os.chdir() to an existing directory and call again"
-        ) from None
-
-
-#: File descriptors the caller holds per started rank during a call: its channel end, the
-#: read ends of its stdout/stderr pipes, its pidfd; plus the one a fork request briefly passes.
-_FDS_PER_RANK = 5
-
-
-def _check_capacity(new_ranks: int) -> None:
-    """Fail at once, before starting anything, when this machine cannot hold the ranks asked for."""
-    import resource
-
-    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY:
-        try:
-            in_use = len(os.listdir("/proc/self/fd"))
-        except OSError:
-            in_use = 0
-        needed = new_ranks * _FDS_PER_RANK
-        if in_use + needed > soft:
-            raise OSError(
-                f"ranch: {new_ranks} new ranks need about {needed} file descriptors in this process, "
-                f"and only {max(0, soft - in_use)} of its limit of {soft} are free (ulimit -n); "
-                "ask for fewer ranks, or raise the limit with resource.setrlimit(resource.RLIMIT_NOFILE, ...)"
-            )
-    room = _process_room()
-    if room is not None and new_ranks > room:
-        raise OSError(f"ranch: {new_ranks} new ranks are more processes than this machine allows now "
-                      f"(room for about {room} more: pid_max, threads-max, the cgroup's pids.max)")
-
-
-def _process_room() -> Optional[int]:
-    """How many more processes can start here, by the tightest of the kernel's limits we can read."""
-    try:
-        running = sum(1 for entry in os.listdir("/proc") if entry.isdigit())
-    except OSError:
-        return None
-    rooms = []
-    for path in ("/proc/sys/kernel/pid_max", "/proc/sys/kernel/threads-max"):
-        try:
-            with open(path) as f:
-                rooms.append(int(f.read()) - running)
-        except (OSError, ValueError):
-            pass
-    try:
-        with open("/sys/fs/cgroup/pids.max") as f:
-            limit = f.read().strip()
-        with open("/sys/fs/cgroup/pids.current") as f:
-            current = int(f.read())
-        if limit != "max":
-            rooms.append(int(limit) - current)
-    except (OSError, ValueError):
-        pass
-    return min(rooms) if rooms else None
-
-
 class _Rank(core.Member):
     """The caller's view of one rank of a call."""
 
@@ -287,7 +206,7 @@ class _Call(WatchedCall):
             own_rank.caller_rank_owner = threading.current_thread().name
         state = own_rank.CallerState.snapshot(self.caller_rank is not None)
         if state.environ is not None:
-            template.set_caller_environ(state.environ)  # os.environ is rank 0's until restore()
+            environ.set_caller_environ(state.environ)  # os.environ is rank 0's until restore()
         relay = self.engine.relay
         values: list = [None] * self.nprocs
         watcher: Optional[threading.Thread] = None
@@ -341,7 +260,7 @@ class _Call(WatchedCall):
                 self.engine.close()
             state.restore()
             if state.environ is not None:
-                template.set_caller_environ(None)
+                environ.set_caller_environ(None)
             state.disarm_ended_ddp(values)
             _learn_imports(bool(self.ranks), self.imported)
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterable
 from typing import Any, Callable, Optional, Union
 
-from ..engine import core
+from ..engine import interrupts
 from ..wire import payload
 from ..wire.errors import RankError, RankExitedError, SessionClosedError, merge_rank_errors
 from ..wire.protocol import COMM, DONE, NO_REQUEST
@@ -77,7 +77,7 @@ class SessionCalls(SessionRecovery):
             self._display = display
             with self._flag_lock:
                 self._current, self._interrupt_asked = req, False
-            restore = core.take_sigint(self._on_sigint, self)
+            restore = interrupts.take_sigint(self._on_sigint, self)
             # a per-rank view takes the ranks' streams (magics/views.py)
             self._engine.relay.retarget(sys.stdout, sys.stderr, getattr(display, "rank_streams", None))
             self._engine.prompter = None  # made at the first prompt: most calls have none
