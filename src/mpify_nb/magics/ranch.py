@@ -51,7 +51,7 @@ def ranch_magics_class() -> type:
     from IPython.display import publish_display_data
 
     from ..ddp import in_torchddp
-    from ..launcher.call import ranch
+    from ..launcher.ranch import ranch
     from ..wire.errors import PayloadError, RankError
 
     @magics_class

@@ -294,7 +294,7 @@ class Session(SessionCalls):
         out = Where()
         for r in sorted(snaps):
             snap = snaps[r]
-            out[r] = RankWhere(r, verdicts.doing_text(snap, now, self._engine.waiting_for_user(r)), snap.where,
+            out[r] = RankWhere(r, verdicts.doing_text(snap, now, self._engine.user_waits.waiting(r)), snap.where,
                                verdicts.stack_lines(snap), [verdicts.op_text(o) for o in snap.pending])
         return out
 

@@ -53,6 +53,7 @@ rank in this process, ``os.environ`` holds that rank's variables (``OMP_NUM_THRE
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -183,6 +184,24 @@ def in_background(work: Callable[..., None], *args: Any) -> None:
     with _lock:
         _busy += 1
     threading.Thread(target=run, name="mpify_nb-preload", daemon=True).start()
+
+
+def learn(imported: list) -> None:
+    """A call's ranks imported these modules (start/preload.py): let the template come to hold
+    them, in the background, for the next calls (the call has returned, and this never makes it wait)."""
+    try:
+        cwd = os.getcwd()
+    except OSError:
+        return
+    in_background(_learn, imported, cwd)
+
+
+def _learn(imported: list, cwd: str) -> None:
+    try:
+        preload.learn(imported, cwd)
+        refresh(cwd)
+    except Exception:
+        pass  # only a speed-up is lost
 
 
 #: Seconds a preloading template may take before it is given up.
