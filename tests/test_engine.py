@@ -14,6 +14,7 @@ import pytest
 
 from mpify_nb import Session, ranch
 from mpify_nb.engine import core as engine
+from mpify_nb.engine import members
 from mpify_nb.wire import protocol
 
 PING = protocol.claim(b"y", "test_engine")  # to a rank
@@ -39,7 +40,7 @@ def echo_capability() -> Iterator[list]:
     heard: list = []
 
     def install(e: engine.Engine) -> None:
-        def on_pong(m: engine.Member, req: int, body, fds: list) -> None:
+        def on_pong(m: members.Member, req: int, body, fds: list) -> None:
             heard.append((m.rank, bytes(body)))
             e.send_control(m, PING, req, bytes(body)[::-1])
 
@@ -69,7 +70,7 @@ def test_a_capability_reaches_session_ranks(echo_capability):
 
 
 def test_a_rank_paused_at_a_breakpoint_waits_for_the_user_and_its_time_is_not_the_calls():
-    """What the debugger tells the engine (engine.pause/unpause), read as text pdb's prompts are:
+    """What the debugger tells the engine (engine.user_waits.pause/unpause), read as text pdb's prompts are:
     the call's time limit stops running, and a peer waiting on that rank is no error."""
     import sys
     import time
@@ -79,18 +80,18 @@ def test_a_rank_paused_at_a_breakpoint_waits_for_the_user_and_its_time_is_not_th
     e = engine.Engine(OutputRelay(sys.stdout, sys.stderr), pump_output=True, persistent=True)
     try:
         deadline = time.monotonic() + 100.0
-        assert not e.waiting_for_user()
-        e.pause(1)
-        assert e.waiting_for_user() and e.waiting_for_user(1) and not e.waiting_for_user(0)
-        assert e.time_left(deadline) is None
+        assert not e.user_waits.waiting()
+        e.user_waits.pause(1)
+        assert e.user_waits.waiting() and e.user_waits.waiting(1) and not e.user_waits.waiting(0)
+        assert e.user_waits.time_left(deadline) is None
         time.sleep(0.2)
-        e.unpause(1)
-        assert not e.waiting_for_user(1)
-        left = e.time_left(deadline)
+        e.user_waits.unpause(1)
+        assert not e.user_waits.waiting(1)
+        left = e.user_waits.time_left(deadline)
         assert left is not None and left > deadline - time.monotonic() + 0.2  # the pause is given back
         e.starting_call([])  # a new call starts with nothing paused and nothing given back
         before = time.monotonic()
-        left = e.time_left(deadline)
+        left = e.user_waits.time_left(deadline)
         assert left is not None and left <= deadline - before
     finally:
         e.close()

@@ -239,7 +239,7 @@ def test_graph_reads_imports_as_described() -> None:
     assert "wire.payload" in graph["start.ray_ranks.link"]  # from ...wire import framing, payload, shm
     assert "start.ray_ranks.placer" in graph["start.ray_ranks"]  # a package's __init__ re-exports
     assert "magics.ranch" in graph["magics"]
-    assert "launcher.call" in graph[PACKAGE]  # from .launcher.call import ranch
+    assert "launcher.ranch" in graph[PACKAGE]  # from .launcher.ranch import ranch
     assert "rank.loop" in graph["start.template_process"]  # inside a function
 
 
@@ -334,7 +334,7 @@ def test_a_new_interpreter_finds_this_copy_of_the_package(monkeypatch: pytest.Mo
     import subprocess
     import sys
 
-    from mpify_nb.start.template import bootstrap_env
+    from mpify_nb.start.environ import bootstrap_env
 
     monkeypatch.delenv("PYTHONPATH", raising=False)
 

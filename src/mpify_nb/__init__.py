@@ -30,7 +30,7 @@ import sys
 from .ddp import TorchDDPCtx, in_torchddp
 from .decorator import distributed
 from .imports import import_star
-from .launcher.call import ranch
+from .launcher.ranch import ranch
 from .session.session import RankStatus, Session
 from .start import placement, template
 from .start.placement import get_placement, get_start_method, set_placement, set_start_method

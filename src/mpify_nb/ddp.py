@@ -271,7 +271,7 @@ def in_torchddp(
         return TorchDDPCtx(backend=backend, gpus=gpus)
     if fn is None:
         raise TypeError("in_torchddp(nprocs, fn, ...): fn is missing")
-    from .launcher.call import ranch
+    from .launcher.ranch import ranch
 
     if "ctx" in kwargs:
         raise TypeError("in_torchddp(nprocs, fn, ...) makes its own ctx; use ranch(..., ctx=...) to pass one")

@@ -6,7 +6,7 @@ import functools
 from typing import Any, Callable
 
 from .ddp import TorchDDPCtx
-from .launcher.call import ranch
+from .launcher.ranch import ranch
 
 
 def distributed(nprocs: int, *, ddp: bool = False, **ranch_options: Any) -> Callable[[Callable], Callable]:

@@ -24,7 +24,8 @@ import threading
 import time
 from typing import Callable, Optional
 
-from ..engine.core import Engine, Member
+from ..engine.core import Engine
+from ..engine.members import Member
 from ..rank.debugger import DEBUG
 from ..wire.protocol import NO_REQUEST
 

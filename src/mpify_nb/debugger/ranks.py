@@ -21,7 +21,8 @@ import threading
 import weakref
 from typing import Any, Callable
 
-from ..engine.core import Engine, Member
+from ..engine.core import Engine
+from ..engine.members import Member
 from ..wire import payload
 from .ids import FRAME, THREAD, VARIABLE, Ids
 from .links import ANSWER_TIMEOUT, ATTACH_TIMEOUT, Pending, RankLink, Waiter

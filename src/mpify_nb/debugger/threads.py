@@ -63,7 +63,7 @@ class Threads:
             self._stopped.pop(thread, None)
             self._stopped[thread] = (source, body)
             if source is not None:
-                source.engine.pause(source.rank)
+                source.engine.user_waits.pause(source.rank)
             focus = self._focus if time.monotonic() < self._focus_until else None
             if focus is not None and thread != focus:
                 if focus not in self._stopped:  # shown once the focus stops (or its time is up)
@@ -95,7 +95,7 @@ class Threads:
                 resumed.append(g)
                 source = entry[0]
                 if source is not None and not any(s is source for s, _b in self._stopped.values()):
-                    source.engine.unpause(source.rank)
+                    source.engine.user_waits.unpause(source.rank)
             remaining = bool(self._stopped)
         return self._announce_continued(resumed, requested, remaining)
 

@@ -29,8 +29,8 @@ registers (:meth:`Engine.on`) and in its ``on_death``/``on_wake``::
     |   stdout/stderr     -> relay.pump       <── print(...) (ranch: the relay's own thread)
     |   pidfd             -> on_death(m)      <── it died (signal, segfault, OOM, its node)
     |   wake pipe         -> prompt answers (ANSWER to the rank); on_wake(bytes): SIGINT
-    | ASK: prompts.Prompter asks the user; time_left() does not count that wait,     |
-    |   nor the time a rank is paused at a debugger's breakpoint (pause/unpause)      |
+    | ASK: user_waits asks the user (prompts.Prompter); its time_left() does not     |
+    |   count that wait, nor a rank held at a debugger's breakpoint (pause/unpause)  |
     | watch (engine/watch.py): LOOK now and then, SEEN / RETURNED -> verdict.judge   |
     | bury(m): kill, wait, end what it left; close its fds                           |
     +--------------------------------------------------------------------------------+
@@ -51,42 +51,19 @@ import os
 import pickle
 import select
 import selectors
-import signal
 import socket
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Optional
 
 from ..relay.pipes import OutputRelay
 from ..start import placement
 from ..wire import framing, payload
-from ..wire.errors import RankExitedError
 from ..wire.protocol import ANSWER, ASK, NO_REQUEST, PEEK_STDIN, pack, unpack
-from . import interrupts, prompts
 from . import watch as collective_watch
-
-
-class Member:
-    """The engine's view of one live rank: its channel(s), its process, its output pipes."""
-
-    def __init__(self, rank: int, channel: socket.socket, process: placement.RankProcess,
-                 control: Optional[socket.socket] = None, out_fds: tuple[int, ...] = ()):
-        self.rank = rank
-        self.channel = channel
-        self.process = process
-        self.control = control  # a Session rank's control channel (a ranch rank's is its channel)
-        self.out_fds = out_fds  # its stdout/stderr read ends, when the engine pumps them
-        self.channel_open = True
-        self.buried = False  # its process is gone and its fds are closed
-        self.gone_told = False  # the capabilities heard that it is gone (Engine.gone)
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid  # on a Ray node, known once the rank has called back
-
-
-M = TypeVar("M", bound=Member)
+from .members import Member
+from .user_waits import UserWaits
 
 #: handler(member, request id, body, fds) for one kind of frame from a rank; it owns ``fds``.
 Handler = Callable[[Any, int, Any, list], None]
@@ -130,16 +107,13 @@ class Engine:
         self.loop_lock = threading.RLock()
         self._call_hooks: list[Callable[[Engine, list], None]] = []
         self._gone_hooks: list[Callable[[Engine, Any], None]] = []
-        self._pause_lock = threading.Lock()
-        self._paused: set[int] = set()  # ranks held at a debugger's breakpoint now
-        self._paused_since: Optional[float] = None
-        self._paused_total = 0.0  # this call's seconds with some rank paused
         self.handlers: dict[bytes, Handler] = {ASK: self._on_ask}
         self.on_death: Callable[[Any], None] = lambda m: None  # the rank's pidfd or channel says it ended
         self.on_wake: Callable[[bytes], None] = lambda data: None  # bytes written to the wake pipe
-        self.prompter: Optional[prompts.Prompter] = None
         self.selector = selectors.DefaultSelector()
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        #: ranks at an input prompt or held at a breakpoint: the user's time, not the call's
+        self.user_waits = UserWaits(self.wake)
         self.selector.register(self.wake_r, selectors.EVENT_READ, ("wake", None))
         self.closed = False
         #: the collective watch (engine/watch.py): looks at a call's ranks, judges what they wait in
@@ -165,9 +139,7 @@ class Engine:
 
     def starting_call(self, members: Sequence[Member]) -> None:
         """The owner starts a call on ``members``: nothing is paused yet; the hooks run."""
-        with self._pause_lock:
-            self._paused.clear()
-            self._paused_since, self._paused_total = None, 0.0
+        self.user_waits.new_call()
         for hook in list(self._call_hooks):
             hook(self, list(members))
 
@@ -176,7 +148,7 @@ class Engine:
         if m.gone_told:
             return
         m.gone_told = True
-        self.unpause(m.rank)
+        self.user_waits.unpause(m.rank)
         for hook in list(self._gone_hooks):
             hook(self, m)
 
@@ -275,7 +247,7 @@ class Engine:
                     data = os.read(self.wake_r, 4096)
                 except BlockingIOError:
                     data = b""
-                for reply, answer in self.prompter.take_answers() if self.prompter is not None else ():
+                for reply, answer in self.user_waits.take_answers():
                     reply(answer)
                 self.on_wake(data)
 
@@ -345,27 +317,6 @@ class Engine:
             if m.channel_open:
                 m.channel.settimeout(None)
 
-    def stirred(self, members: Sequence[Member]) -> bool:
-        """Has one of ``members`` died, or sent something not yet read?"""
-        fds: list[Any] = [m.process.death_fd for m in members if m.process.death_fd is not None]
-        fds += [m.channel for m in members if m.channel_open]
-        return bool(fds) and bool(select.select(fds, [], [], 0)[0])
-
-    def ended(self, members: Sequence[M]) -> list[M]:
-        """Those of ``members`` whose pidfd says they are gone (between calls nobody watches)."""
-        fds = [m.process.death_fd for m in members if m.process.death_fd is not None]
-        gone = set(select.select(fds, [], [], 0)[0]) if fds else set()
-        return [m for m in members if m.process.death_fd in gone]
-
-    def death_error(self, m: Member, when: float, hint: str = "") -> RankExitedError:
-        """How ``m`` died, once it has (its exit code: waited for a little)."""
-        m.process.wait_gone(2.0)
-        error = RankExitedError(m.rank, m.process.exit_code(timeout=2.0), m.process.death_detail(), hint)
-        # Before the wait: a peer's echo of this death may be timed within it; and it died up to
-        # death_latency before we could see it (a rank on another host: through its link).
-        error.when = when - m.process.death_latency
-        return error
-
     def wake(self) -> None:
         if self.closed:
             return
@@ -386,11 +337,6 @@ class Engine:
 
     # -- a rank reads its stdin --------------------------------------------------------------
 
-    def open_prompts(self) -> None:
-        """Make this call's prompter now, on the thread that runs the cell (the frontend is
-        found there); else it is made at the first prompt, in the loop."""
-        self.prompter = prompts.Prompter(self.wake)
-
     def _peek_stdin(self, rank: int) -> None:
         """Rank ``rank``'s stdout holds a partial line (the relay saw it): ask its control thread
         whether a read of fd 0 follows it (a prompt), while a call runs (from any thread)."""
@@ -406,61 +352,7 @@ class Engine:
         def reply(answer: Any) -> None:
             self.send_control(m, ANSWER, req, pickle.dumps((token, answer)))
 
-        if self.prompter is None:
-            self.open_prompts()
-        assert self.prompter is not None
-        self.prompter.ask(m.rank, prompt, reply)
-
-    def close_prompts(self) -> None:
-        """No one answers this call's prompts any more: the reads still waiting are ended
-        (a rank at a prompt reads KeyboardInterrupt, then end of file)."""
-        if self.prompter is None:
-            return
-        for reply, answer in self.prompter.close():
-            reply(answer)
-
-    def time_left(self, deadline: Optional[float]) -> Optional[float]:
-        """Seconds until ``deadline``, time spent waiting for the user (a pdb prompt, a rank held
-        at a breakpoint) not counted; None without a deadline, or while a rank waits for the user."""
-        prompter = self.prompter
-        if deadline is None or self.waiting_for_user():
-            return None
-        waited = (prompter.waited() if prompter is not None else 0.0) + self.paused_for()
-        return deadline + waited - time.monotonic()
-
-    def waiting_for_user(self, rank: Optional[int] = None) -> bool:
-        """Does ``rank`` (None: any rank) wait for the user now: at an input prompt (text pdb,
-        input()) or held at a breakpoint of the frontend's debugger? Its peers waiting for it
-        in a collective are no mistake then, and the call's time does not run."""
-        prompter = self.prompter
-        if prompter is not None and prompter.waiting and (rank is None or rank in prompter.asking()):
-            return True
-        with self._pause_lock:
-            return bool(self._paused) if rank is None else rank in self._paused
-
-    # -- a rank held at a breakpoint ---------------------------------------------------------
-
-    def pause(self, rank: int) -> None:
-        """Rank ``rank`` stopped at a breakpoint: it waits for the user (time_left)."""
-        with self._pause_lock:
-            if not self._paused:
-                self._paused_since = time.monotonic()
-            self._paused.add(rank)
-
-    def unpause(self, rank: int) -> None:
-        with self._pause_lock:
-            if rank not in self._paused:
-                return
-            self._paused.discard(rank)
-            if not self._paused and self._paused_since is not None:
-                self._paused_total += time.monotonic() - self._paused_since
-                self._paused_since = None
-
-    def paused_for(self) -> float:
-        """Seconds of this call during which some rank was paused at a breakpoint."""
-        with self._pause_lock:
-            since = self._paused_since
-            return self._paused_total + (time.monotonic() - since if since is not None else 0.0)
+        self.user_waits.ask(m.rank, prompt, reply)
 
     # -- ending ------------------------------------------------------------------------------
 
@@ -517,25 +409,3 @@ class Engine:
                 os.close(fd)
             except OSError:
                 pass
-
-
-def take_sigint(on_sigint: Callable[[], None], call: interrupts.Interruptible) -> Callable[[], None]:
-    """While a call waits: SIGINT (the stop button) calls ``on_sigint`` (a flag and a wake,
-    never raising anywhere, so it never cuts a message in half), unless the process ignores it.
-    On another thread, the main thread's handler reaches ``call`` through engine/interrupts.py.
-    Returns what puts it back."""
-    if threading.current_thread() is not threading.main_thread():
-        interrupts.install()
-        interrupts.register(call)
-        return lambda: interrupts.unregister(call)
-    if interrupts.process_ignores_sigint():
-        return lambda: None  # the process ignores SIGINT (nohup, a CI runner): it keeps ignoring it
-    try:
-        old = signal.signal(signal.SIGINT, lambda signum, frame: on_sigint())
-    except ValueError:
-        return lambda: None
-
-    def restore() -> None:
-        signal.signal(signal.SIGINT, old)
-
-    return restore

@@ -24,7 +24,7 @@ SIGINT stops no call (ipykernel's idle ``SIG_IGN`` is the kernel's, not the proc
 is chained as above).
 
 A call running on the main thread takes SIGINT itself while it runs (own_rank's
-``_take_sigint``, engine's ``take_sigint``) and calls ``interrupt_other_threads()`` from there, so one
+``_take_sigint``, ``take_sigint`` below) and calls ``interrupt_other_threads()`` from there, so one
 press stops every call.
 """
 
@@ -35,7 +35,7 @@ import signal
 import sys
 import threading
 import weakref
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 
 class Interruptible(Protocol):
@@ -116,6 +116,31 @@ def interrupt_other_threads() -> None:
             continue
     for call in calls:
         call.interrupt_from_signal()
+
+
+
+
+def take_sigint(on_sigint: Callable[[], None], call: Interruptible) -> Callable[[], None]:
+    """While a call waits: SIGINT (the stop button) calls ``on_sigint`` (a flag and a wake,
+    never raising anywhere, so it never cuts a message in half), unless the process ignores it.
+    On another thread, the main thread's handler reaches ``call`` through engine/interrupts.py.
+    Returns what puts it back."""
+    if threading.current_thread() is not threading.main_thread():
+        install()
+        register(call)
+        return lambda: unregister(call)
+    if process_ignores_sigint():
+        return lambda: None  # the process ignores SIGINT (nohup, a CI runner): it keeps ignoring it
+    try:
+        old = signal.signal(signal.SIGINT, lambda signum, frame: on_sigint())
+    except ValueError:
+        return lambda: None
+
+    def restore() -> None:
+        signal.signal(signal.SIGINT, old)
+
+    return restore
+
 
 
 def _forget_after_fork() -> None:

@@ -157,7 +157,7 @@ class Watch:
 
     def at_user(self) -> frozenset:
         """The ranks that wait for the user now: at a prompt, or held at a debugger's breakpoint."""
-        return frozenset(r for r in range(self.world) if self.engine.waiting_for_user(r))
+        return frozenset(r for r in range(self.world) if self.engine.user_waits.waiting(r))
 
     # -- rounds ---------------------------------------------------------------------------------
 
@@ -216,7 +216,7 @@ class Watch:
                 snaps[rank] = kept[rank]
         # A rank that waits for the user (a prompt, a debugger's breakpoint) is no hang: its
         # peers wait for it as the cell does, and no verdict is given until it goes on.
-        if self.verdict is None and not self.engine.waiting_for_user():
+        if self.verdict is None and not self.engine.user_waits.waiting():
             self.verdict = verdicts.judge(snaps, self.world, absent, self.previous)
         running = {r: s for r, s in self.snaps.items() if r not in absent}
         blocked = any(s.blocked is not None for s in running.values())

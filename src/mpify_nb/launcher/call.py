@@ -1,11 +1,12 @@
-"""ranch(): run a function on N ranks, the caller playing one of them. Spawn, execute, terminate.
+"""One ``ranch()`` call (launcher/ranch.py checks it first): its ranks started, GO, their answers
+gathered, every rank ended. Spawn, execute, terminate.
 
 A ranch call is the engine's (engine/core.py) short-lived use: one request, CALL, to each rank, and
 the ranks exit after it. Data flow of one call::
 
     caller (notebook process)                                   rank r (r != caller_rank)
     ------------------------                                    ---------------------------
-    pack_call(fn, args, ctx)  ── PayloadError here, before any rank exists
+    pack_call(fn, args, ctx)  ── PayloadError here, before any rank exists (launcher/ranch.py)
     placer.reserve(world) ── where each rank lands: LOCAL_RANK, GROUP_RANK, MASTER_ADDR/PORT
     engine.spawn(r) ─ placer.start(r) ──────────────────────> born (forked from template, spawned,
                                                                  or forked on a Ray node: ray_ranks/)
@@ -21,8 +22,8 @@ the ranks exit after it. Data flow of one call::
     relay thread  <────────────── stdout/stderr pipes ───────  print(...)          (relay/pipes.py)
     gather values; kill stragglers; placer.release(); restore env/cwd/CUDA/torch.distributed
 
-The first failure wins: it is the root cause (the others usually fail because a
-peer vanished). The watch thread then kills every rank at once; a caller blocked
+The first failure wins (launcher/outcome.py): it is the root cause (the others usually fail
+because a peer vanished). The watch thread then kills every rank at once; a caller blocked
 in a gloo collective gets an error within ~2 s, a caller blocked in the
 rendezvous is freed at once (the TCPStore lives in a spawned rank, not in the
 caller), and a caller running Python code is interrupted with a signal. The call
@@ -45,14 +46,15 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from ..engine import core, interrupts
+from ..engine import core, interrupts, members
 from ..relay.pipes import OutputRelay
-from ..start import placement, preload, template
-from ..torchdist import libraries, waits
+from ..start import environ, placement, template
+from ..torchdist import waits
 from ..wire import framing, payload
-from ..wire.errors import PayloadError, RankError, RemoteFailure, safe_str
+from ..wire.errors import RankError, RemoteFailure, safe_str
 from ..wire.protocol import CALL, DONE, FAIL, GO, IMPORTED, READY, pack
 from . import own_rank
+from .outcome import Outcome
 from .watched import WatchedCall
 
 # Seconds a finished rank may take to exit after sending its value before it is killed.
@@ -64,160 +66,8 @@ _EXPLAIN_PATIENCE = 0.5
 _REQUEST = 1
 
 
-def ranch(
-    nprocs: int,
-    fn: Callable,
-    *args: Any,
-    caller_rank: Optional[int] = 0,
-    gather: bool = True,
-    ctx: Any = None,
-    need: str = "",
-    imports: str = "",
-    timeout: Optional[float] = None,
-    **kwargs: Any,
-) -> Any:
-    """Run ``fn(*args, **kwargs)`` on ``nprocs`` ranks and return the results.
 
-    The calling process plays rank ``caller_rank`` itself (``None``: all ranks are
-    new processes). Every other rank is a fresh process started for this call and
-    gone when it returns. ``fn`` may be defined in the notebook, use its globals,
-    classes and imported modules, be a lambda or a closure.
-
-    Args:
-        nprocs: number of ranks (the world size).
-        fn: the function to run on every rank.
-        caller_rank: the rank this process plays, or None.
-        gather: True: return the list of every rank's return value, by rank.
-            False: return only the caller's own value (None if it plays no rank).
-        ctx: a context manager entered around ``fn`` on every rank, e.g. ``in_torchddp()``.
-        need: names of ``__main__`` globals to define on every rank (mpify compatibility).
-        imports: import statements to run in every rank's ``__main__`` first (mpify compatibility);
-            on the caller's rank too, so the notebook keeps the names they import.
-        timeout: seconds for the whole call; past it every rank is stopped and
-            ``TimeoutError`` is raised.
-
-    In every rank ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
-    ``MASTER_ADDR`` and ``MASTER_PORT`` (a free port, new for each call) are set.
-
-    Raises:
-        RankError: a rank raised (``RankRaisedError``, with its traceback) or died
-            (``RankExitedError``, with its exit code or signal).
-        PayloadError: ``fn``, an argument or ``ctx`` cannot be pickled (a TypeError).
-        TimeoutError: ``timeout`` ran out; every rank was stopped.
-        KeyboardInterrupt: the stop button (a kernel interrupt); every rank was stopped.
-
-    Example (a notebook cell):
-
-    ```python
-    import os, torch
-    from mpify_nb import ranch
-
-    def square(x):
-        return torch.tensor(x) ** 2 + int(os.environ["RANK"])
-
-    ranch(3, square, 4)
-    ```
-
-    ```output
-    [tensor(16), tensor(17), tensor(18)]
-    ```
-    """
-    _check_arguments(nprocs, fn, caller_rank, ctx, timeout)
-    _check_working_directory()
-    _check_capacity(nprocs - (caller_rank is not None))
-    prepare = getattr(ctx, "_mpify_prepare", None)
-    if prepare is not None:
-        prepare(nprocs, caller_rank)  # the ctx validates its options here, before anything starts
-    packed = payload.pack_call(fn, args, kwargs, ctx, need, imports)  # PayloadError: nothing started yet
-    values = _Call(nprocs, caller_rank, timeout, imports).run(packed, fn, args, kwargs, ctx)
-    if gather:
-        return values
-    return None if caller_rank is None else values[caller_rank]
-
-
-def _check_arguments(nprocs, fn, caller_rank, ctx, timeout) -> None:
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs must be a positive integer, not {nprocs!r}")
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, not {type(fn).__name__}")
-    if caller_rank is not None and (
-        isinstance(caller_rank, bool) or not isinstance(caller_rank, int) or not 0 <= caller_rank < nprocs
-    ):
-        raise ValueError(f"caller_rank must be None or an integer in [0, {nprocs}), not {caller_rank!r}")
-    if ctx is not None and not (hasattr(ctx, "__enter__") and hasattr(ctx, "__exit__")):
-        raise TypeError(
-            f"ctx must be a context manager (with __enter__ and __exit__), not {type(ctx).__name__}; "
-            "did you pass in_torchddp instead of in_torchddp()?"
-        )
-    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ValueError(f"timeout must be a positive number of seconds or None, not {timeout!r}")
-
-
-def _check_working_directory() -> None:
-    # Ranks start in the caller's working directory; a deleted one has no path to give them.
-    try:
-        os.getcwd()
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            "ranch: this process's working directory no longer exists (deleted or unmounted), so "
-            "the ranks cannot start in it; os.chdir() to an existing directory and call again"
-        ) from None
-
-
-#: File descriptors the caller holds per started rank during a call: its channel end, the
-#: read ends of its stdout/stderr pipes, its pidfd; plus the one a fork request briefly passes.
-_FDS_PER_RANK = 5
-
-
-def _check_capacity(new_ranks: int) -> None:
-    """Fail at once, before starting anything, when this machine cannot hold the ranks asked for."""
-    import resource
-
-    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY:
-        try:
-            in_use = len(os.listdir("/proc/self/fd"))
-        except OSError:
-            in_use = 0
-        needed = new_ranks * _FDS_PER_RANK
-        if in_use + needed > soft:
-            raise OSError(
-                f"ranch: {new_ranks} new ranks need about {needed} file descriptors in this process, "
-                f"and only {max(0, soft - in_use)} of its limit of {soft} are free (ulimit -n); "
-                "ask for fewer ranks, or raise the limit with resource.setrlimit(resource.RLIMIT_NOFILE, ...)"
-            )
-    room = _process_room()
-    if room is not None and new_ranks > room:
-        raise OSError(f"ranch: {new_ranks} new ranks are more processes than this machine allows now "
-                      f"(room for about {room} more: pid_max, threads-max, the cgroup's pids.max)")
-
-
-def _process_room() -> Optional[int]:
-    """How many more processes can start here, by the tightest of the kernel's limits we can read."""
-    try:
-        running = sum(1 for entry in os.listdir("/proc") if entry.isdigit())
-    except OSError:
-        return None
-    rooms = []
-    for path in ("/proc/sys/kernel/pid_max", "/proc/sys/kernel/threads-max"):
-        try:
-            with open(path) as f:
-                rooms.append(int(f.read()) - running)
-        except (OSError, ValueError):
-            pass
-    try:
-        with open("/sys/fs/cgroup/pids.max") as f:
-            limit = f.read().strip()
-        with open("/sys/fs/cgroup/pids.current") as f:
-            current = int(f.read())
-        if limit != "max":
-            rooms.append(int(limit) - current)
-    except (OSError, ValueError):
-        pass
-    return min(rooms) if rooms else None
-
-
-class _Rank(core.Member):
+class _Rank(members.Member):
     """The caller's view of one rank of a call."""
 
     def __init__(self, *args: Any) -> None:
@@ -227,7 +77,7 @@ class _Rank(core.Member):
         self.value: Any = None
 
 
-class _Call(WatchedCall):
+class Call(WatchedCall):
     """One ranch call: start its ranks, GO, gather their answers; the first failure wins. What it
     does with the collective watch is WatchedCall's (launcher/watched.py)."""
 
@@ -238,20 +88,15 @@ class _Call(WatchedCall):
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.timeout = timeout
         self.imported: list[tuple[str, Optional[str]]] = []  # modules the ranks imported (start/preload.py)
-        self.failure: Optional[BaseException] = None
-        self.failed_ranks: set[int] = set()  # ranks that sent an error
-        # A rank's error held while a rank whose death is seen late (on another host) may have died
-        # first: the error may be its echo ("Connection closed by peer"). (error, held until when)
-        self.held: Optional[tuple[BaseException, float]] = None
-        self.cond = threading.Condition()
-        self.interrupted = False  # the user pressed stop (SIGINT)
         self.aborting = False  # we are stopping the ranks: their deaths are no news
         self.finished = False  # the caller's own rank is done; the watch may end
         self.own_returned = False  # the caller's own rank returned from fn
         self.layout: Optional[placement.Layout] = None
         self.own = own_rank.OwnRank()
         self.engine = core.Engine(OutputRelay(sys.stdout, sys.stderr), pump_output=False)
-        self.engine.open_prompts()  # ranks' reads of stdin, asked of the user (on this thread)
+        #: the first failure wins (launcher/outcome.py); the user's stop
+        self.outcome = Outcome(self._stop_everything, self.engine.wake)
+        self.engine.user_waits.open_prompts()  # ranks' reads of stdin, asked of the user (on this thread)
         self.engine.on(READY, self._on_ready)
         self.engine.on(IMPORTED, self._on_imported)
         self.engine.on(DONE, self._on_value)
@@ -264,30 +109,20 @@ class _Call(WatchedCall):
     # -- the whole call ------------------------------------------------------------------
 
     def run(self, packed: payload.PackedCall, fn, args, kwargs, ctx) -> list:
-        if self.caller_rank is not None and not own_rank.caller_rank_lock.acquire(blocking=False):
-            raise RuntimeError(
-                f"ranch: another call that plays a rank in this process is running (on thread "
-                f"{own_rank.caller_rank_owner!r}); two cannot share this process's os.environ, torch.distributed "
-                "group and streams. Wait for it to finish, or pass caller_rank=None: calls in which "
-                "every rank is a new process may run side by side."
-            )
-        if self.own.on_main_thread:
-            interrupts.install()
-        else:
-            interrupts.register(self)  # the stop button reaches us through the main thread
-        try:
-            return self._run(packed, fn, args, kwargs, ctx)
-        finally:
-            interrupts.unregister(self)
-            if self.caller_rank is not None:
-                own_rank.caller_rank_lock.release()
+        with own_rank.process_claimed(self.caller_rank is not None):
+            if self.own.on_main_thread:
+                interrupts.install()
+            else:
+                interrupts.register(self)  # the stop button reaches us through the main thread
+            try:
+                return self._run(packed, fn, args, kwargs, ctx)
+            finally:
+                interrupts.unregister(self)
 
     def _run(self, packed: payload.PackedCall, fn, args, kwargs, ctx) -> list:
-        if self.caller_rank is not None:
-            own_rank.caller_rank_owner = threading.current_thread().name
         state = own_rank.CallerState.snapshot(self.caller_rank is not None)
         if state.environ is not None:
-            template.set_caller_environ(state.environ)  # os.environ is rank 0's until restore()
+            environ.set_caller_environ(state.environ)  # os.environ is rank 0's until restore()
         relay = self.engine.relay
         values: list = [None] * self.nprocs
         watcher: Optional[threading.Thread] = None
@@ -298,7 +133,7 @@ class _Call(WatchedCall):
             self._start_ranks(placer, layout, packed, env)
             relay.start()
             self._watch(until=lambda: all(r.ready or r.done for r in self.ranks.values()))
-            if self.failure is None and not self.interrupted:
+            if not self.outcome.over:
                 for handle in self.ranks.values():
                     self.engine.send(handle, GO, _REQUEST)  # one that just died: the watch reports how
                 self._begin_watch()
@@ -316,13 +151,13 @@ class _Call(WatchedCall):
                         self.engine.wake()
                         watcher.join()
             self._drain()
-            self._raise_failure()
+            self.outcome.raise_if_failed()
             self._judge_returned()
             for r in self.ranks.values():
                 values[r.rank] = r.value
             return values
         except KeyboardInterrupt as e:
-            self.interrupted = True
+            self.outcome.interrupted = True
             where = self._where_they_were()
             if where and not e.args:
                 raise KeyboardInterrupt(f"every rank was stopped; where they were: {where}") from None
@@ -330,20 +165,21 @@ class _Call(WatchedCall):
         finally:
             self.finished = True
             self.watch.end()
-            self.engine.close_prompts()  # the ranks are done or stopped: no one reads the answers
+            self.engine.user_waits.close_prompts()  # the ranks are done or stopped: no one reads the answers
             self._stop_all()
             for handle in self.ranks.values():
                 self.engine.bury(handle)
             placer.release()
             packed.close_later()
             relay.close()
-            with self.cond:
+            with self.outcome.cond:
                 self.engine.close()
             state.restore()
             if state.environ is not None:
-                template.set_caller_environ(None)
+                environ.set_caller_environ(None)
             state.disarm_ended_ddp(values)
-            _learn_imports(bool(self.ranks), self.imported)
+            if self.ranks and placement.get_start_method() == "template":
+                template.learn(self.imported)  # what the ranks imported, preloaded for the next calls
 
     # -- starting ranks ------------------------------------------------------------------
 
@@ -385,53 +221,36 @@ class _Call(WatchedCall):
 
     def _watch(self, until: Callable[[], bool]) -> None:
         """Handle rank events until ``until()`` holds or a failure was recorded."""
-        while self.failure is None and not self.interrupted:
-            if self.held is not None:
-                if time.monotonic() >= self.held[1] or self._held_answered():
+        while not self.outcome.over:
+            if self.outcome.held is not None:
+                if time.monotonic() >= self.outcome.held[1] or self._held_answered():
                     break
             elif until():
                 break
-            wait = self.engine.time_left(self.deadline)  # time a rank waits for the user is not the call's
+            wait = self.engine.user_waits.time_left(self.deadline)  # time a rank waits for the user is not the call's
             if wait is not None and wait <= 0:
                 self._time_out()
                 return
             verdict = self.watch.verdict
-            if verdict is not None and self.held is None:
+            if verdict is not None and self.outcome.held is None:
                 self._collective_failed(verdict)
                 return
-            if self.held is not None:
-                left = max(0.0, self.held[1] - time.monotonic())
+            if self.outcome.held is not None:
+                left = max(0.0, self.outcome.held[1] - time.monotonic())
                 wait = left if wait is None else min(wait, left)
             looks = self.watch.tick()
             if looks is not None:
                 wait = looks if wait is None else min(wait, looks)
             self.engine.pump(wait)
-        self._release_held()  # a death noticed meanwhile is recorded already: the error joins it
-
-    def _release_held(self) -> None:
-        if self.held is not None:
-            error, self.held = self.held[0], None
-            self._fail(self._explain(error))
-
-    def _hold(self, error: BaseException, patience: float) -> bool:
-        """Hold a rank's error ``patience`` seconds (the watch thread releases it); False when
-        another is held already, or the call has failed."""
-        with self.cond:
-            if self.failure is not None or self.held is not None:
-                return False
-            self.held = (error, time.monotonic() + patience)
-        self.engine.wake()
-        return True
+        self.outcome.release(self._explain)  # a death noticed meanwhile is recorded already: the error joins it
 
     def _on_wake(self, data: bytes) -> None:
         for signum in data:
             # A SIGINT after a failure is ours (the stop of the caller's rank), or comes too late to
             # change what the call raises; a process that ignores SIGINT keeps ignoring the user's.
-            if signum == signal.SIGINT and self.failure is None and not self.own.ignores_user_sigint:
+            if signum == signal.SIGINT and self.outcome.root is None and not self.own.ignores_user_sigint:
                 # The user interrupted: stop every rank so the main thread can return.
-                with self.cond:
-                    self.interrupted = True
-                    self.cond.notify_all()
+                self.outcome.stopped_by_user()
                 self.engine.kill_all()
 
     def _on_ready(self, handle: _Rank, req: int, body: Any, fds: list) -> None:
@@ -448,12 +267,12 @@ class _Call(WatchedCall):
         try:
             handle.value = payload.unpack_result(body, fds)
         except Exception as e:
-            self._fail(RankError(handle.rank, f"the value returned by rank {handle.rank} could not be "
+            self.outcome.fail(RankError(handle.rank, f"the value returned by rank {handle.rank} could not be "
                                               f"unpickled here: {type(e).__name__}: {safe_str(e)}"))
 
     def _on_error(self, handle: _Rank, req: int, body: Any, fds: list) -> None:
         handle.done = True
-        self.failed_ranks.add(handle.rank)
+        self.outcome.failed_ranks.add(handle.rank)
         payload.close_fds(fds)
         failure: RemoteFailure = pickle.loads(body)[0]
         error = failure.to_error(handle.rank, payload.loads)
@@ -464,9 +283,9 @@ class _Call(WatchedCall):
         patience = max((r.process.death_latency for r in self.ranks.values() if not r.done), default=0.0)
         if error.context is not None:  # raised in a collective: a peer may have left it (_explain)
             patience = max(patience, _EXPLAIN_PATIENCE)
-        if patience > 0 and self._hold(error, patience):
+        if patience > 0 and self.outcome.hold(error, patience):
             return
-        self._fail(error)
+        self.outcome.fail(error)
 
     def _on_death(self, handle: _Rank) -> None:
         noticed = time.monotonic()
@@ -476,36 +295,21 @@ class _Call(WatchedCall):
             return
         handle.done = True
         if not self.aborting:  # not one of the ranks we killed ourselves
-            self._fail(self.engine.death_error(handle, noticed))
+            self.outcome.fail(handle.death_error(noticed))
 
-    def _fail(self, error: BaseException) -> None:
-        """Record a failure. The first one stops the call; of several rank failures the
-        earliest (by the machine-wide monotonic clock) is the root cause, the others
-        (usually peers that lost it) go to its ``.others``."""
-        with self.cond:
-            first = self.failure is None
-            if first:
-                self.failure = error
-            elif isinstance(self.failure, RankError) and isinstance(error, RankError):
-                if error.when < self.failure.when:
-                    error.others = [self.failure, *self.failure.others]
-                    self.failure.others = []
-                    self.failure = error
-                else:
-                    self.failure.others.append(error)
-            self.cond.notify_all()
-        if first:
-            self.engine.kill_all()
-            self.own.abort()
+    def _stop_everything(self) -> None:
+        """The call has failed: kill every rank, stop the caller's own."""
+        self.engine.kill_all()
+        self.own.abort()
 
     def _drain(self) -> None:
         """After the ranks ran (or were stopped): read the answers already sent. An error a
         rank sent before a peer's echo of it must not be lost."""
-        self._release_held()
-        self.aborting = self.failure is not None or self.interrupted
+        self.outcome.release(self._explain)
+        self.aborting = self.outcome.over
         for handle in self.ranks.values():
             self._read_sent(handle)
-        self._release_held()
+        self.outcome.release(self._explain)
 
     def _read_sent(self, handle: _Rank) -> None:
         """Handle the answers ``handle`` has already sent, without waiting for more."""
@@ -522,25 +326,13 @@ class _Call(WatchedCall):
         waits.note_p2p()
         with self.own.running(env, self.engine.wake_w):
             try:
-                with self.own.user_code(sys._getframe()):
-                    if self.imports:
-                        # As on every other rank, in __main__: the notebook keeps these names (as with mpify).
-                        exec(compile(self.imports, "<imports>", "exec"), sys.modules["__main__"].__dict__)
-                    with libraries.launched_externally():
-                        if ctx is None:
-                            value = fn(*args, **kwargs)
-                            self._own_rank_returned(rank)
-                            return value
-                        with ctx:
-                            value = fn(*args, **kwargs)
-                            self._own_rank_returned(rank)  # before ctx.__exit__ tears the group down
-                            return value
+                return self.own.play(fn, args, kwargs, ctx, self.imports, lambda: self._own_rank_returned(rank))
             except own_rank.Aborted:
                 return None  # another rank failed first; run() reports it
             except KeyboardInterrupt:
-                if self.failure is not None and not self.interrupted:
+                if self.outcome.root is not None and not self.outcome.interrupted:
                     return None  # our own SIGINT, landed after the user code: same as Aborted
-                self.interrupted = True
+                self.outcome.interrupted = True
                 self.engine.kill_all()
                 raise
             except BaseException as e:
@@ -550,24 +342,24 @@ class _Call(WatchedCall):
                     failure.context = waits.snapshot_of_failure(rank, e)
                 except Exception:
                     pass  # only a clearer error is lost
-                if failure.context is not None and self.failure is None and self._hold(failure, _EXPLAIN_PATIENCE):
+                if failure.context is not None and self.outcome.root is None \
+                        and self.outcome.hold(failure, _EXPLAIN_PATIENCE):
                     return None  # raised in a collective: the watch thread explains it (_explain)
                 # Is this the echo of a peer's failure (e.g. "Connection closed by peer")?
                 # Then the peer's own report is on its way: give it a moment.
-                if self.failure is None:
+                if self.outcome.root is None:
                     # A rank on another host is seen to die only once its link says so: wait that long.
                     running = [r for r in self.ranks.values() if not r.done]
-                    patience = 2.0 if self.engine.stirred(running) else max(
+                    patience = 2.0 if members.stirred(running) else max(
                         (r.process.death_latency for r in running), default=0.0)
-                    with self.cond:
-                        self.cond.wait_for(lambda: self.failure is not None or self.interrupted, timeout=patience)
-                self._fail(failure)
+                    self.outcome.wait_for_news(patience)
+                self.outcome.fail(failure)
                 return None
 
     def interrupt_from_signal(self) -> None:
         """The user pressed stop while this call runs on a thread other than the main one
         (called by engine/interrupts.py on the main thread): stop it as the main thread's SIGINT would."""
-        with self.cond:
+        with self.outcome.cond:
             if self.engine.closed:
                 return
             try:
@@ -578,15 +370,9 @@ class _Call(WatchedCall):
 
     # -- ending --------------------------------------------------------------------------
 
-    def _raise_failure(self) -> None:
-        if self.interrupted:
-            raise KeyboardInterrupt
-        if self.failure is not None:
-            raise self.failure
-
     def _stop_all(self) -> None:
         """Finished ranks get a moment to exit on their own; everything else is killed now."""
-        failed = self.failure is not None or self.interrupted
+        failed = self.outcome.over
         deadline = time.monotonic() + (0 if failed else _EXIT_GRACE)
         for handle in self.ranks.values():
             if failed or not handle.done:
@@ -604,26 +390,3 @@ def _world_env(layout: placement.Layout, nprocs: int, caller_rank: Optional[int]
     # frees a caller blocked in the rendezvous (see ddp.py). Groups record their collectives in
     # a small ring, for the collective watch (torchdist/waits.py).
     return dict(layout.world_env(nprocs), MPIFY_NB_STORE_RANK=str(store_rank), **waits.recorder_env())
-
-
-def _learn_imports(started: bool, imported: list) -> None:
-    """Let the template come to hold what the ranks imported (in the background; see start/preload.py)."""
-    if not started or placement.get_start_method() != "template":
-        return
-    try:
-        cwd = os.getcwd()
-    except OSError:
-        return
-    template.in_background(_learn, imported, cwd)
-
-
-def _learn(imported: list, cwd: str) -> None:
-    """In the background: the call has returned, and this never makes it wait."""
-    try:
-        preload.learn(imported, cwd)
-        template.refresh(cwd)
-    except Exception:
-        pass  # only a speed-up is lost
-
-
-__all__ = ["ranch", "PayloadError", "RankError"]

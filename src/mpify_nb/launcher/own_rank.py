@@ -37,6 +37,28 @@ caller_rank_lock = threading.Lock()
 caller_rank_owner = ""
 
 
+@contextlib.contextmanager
+def process_claimed(plays_a_rank: bool) -> Iterator[None]:
+    """While a call plays a rank in this process, no other call may (``plays_a_rank`` False: a
+    call whose every rank is a new process claims nothing)."""
+    global caller_rank_owner
+    if not plays_a_rank:
+        yield
+        return
+    if not caller_rank_lock.acquire(blocking=False):
+        raise RuntimeError(
+            f"ranch: another call that plays a rank in this process is running (on thread "
+            f"{caller_rank_owner!r}); two cannot share this process's os.environ, torch.distributed "
+            "group and streams. Wait for it to finish, or pass caller_rank=None: calls in which "
+            "every rank is a new process may run side by side."
+        )
+    caller_rank_owner = threading.current_thread().name
+    try:
+        yield
+    finally:
+        caller_rank_lock.release()
+
+
 #: Own ranks whose SIGINT handler is installed, for the fork handler below.
 _taking_sigint: weakref.WeakSet[OwnRank] = weakref.WeakSet()
 
@@ -99,6 +121,25 @@ class OwnRank:
             yield
         finally:
             self.stop.leave()
+
+    def play(self, fn: Callable, args: tuple, kwargs: dict, ctx: Any, imports: str,
+             returned: Callable[[], None]) -> Any:
+        """Run ``fn`` as this rank, inside ``ctx``, after ``imports`` (run in ``__main__``, as on
+        every other rank: the notebook keeps the names they import, as with mpify); call
+        ``returned()`` as soon as ``fn`` returns, before ``ctx.__exit__`` tears its group down.
+        Raises what the user's code raised, or :class:`Aborted` when another rank failed first."""
+        with self.user_code(sys._getframe()):
+            if imports:
+                exec(compile(imports, "<imports>", "exec"), sys.modules["__main__"].__dict__)
+            with libraries.launched_externally():
+                if ctx is None:
+                    value = fn(*args, **kwargs)
+                    returned()
+                    return value
+                with ctx:
+                    value = fn(*args, **kwargs)
+                    returned()
+                    return value
 
     def abort(self) -> None:
         """Make the thread running the caller's rank stop and report (another rank failed)."""

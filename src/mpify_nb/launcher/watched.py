@@ -1,5 +1,5 @@
 """A ranch call's half of the collective watch (engine/watch.py, engine/verdict.py), mixed into
-launcher/call.py's ``_Call``: what the call tells the watch, and what it does with a verdict::
+launcher/call.py's ``Call``: what the call tells the watch, and what it does with a verdict::
 
     GO ── _begin_watch: look at the ranks not done, and the caller's own rank here (in-process)
     a rank's RETURNED / DONE ── _absent: it left the call (its fn returned)
@@ -14,8 +14,7 @@ launcher/call.py's ``_Call``: what the call tells the watch, and what it does wi
 
 from __future__ import annotations
 
-import threading
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from ..engine import core
 from ..engine import verdict as verdicts
@@ -24,6 +23,7 @@ from ..start import placement
 from ..torchdist import waits
 from ..wire.errors import CollectiveError, RankError
 from . import own_rank
+from .outcome import Outcome
 
 
 class WatchedCall:
@@ -36,13 +36,10 @@ class WatchedCall:
     engine: core.Engine
     watch: Watch
     own: own_rank.OwnRank
-    cond: threading.Condition
+    outcome: Outcome
     layout: Optional[placement.Layout]
-    held: Optional[tuple[BaseException, float]]
-    failed_ranks: set[int]
     finished: bool
     own_returned: bool
-    _fail: Callable[[BaseException], None]
 
     def _time_out(self) -> None:
         running = sorted(r.rank for r in self.ranks.values() if not r.done)
@@ -53,7 +50,7 @@ class WatchedCall:
             snaps = self.watch.look_now(self.engine.pump, within=0.3)
             where = self.watch.where_text(snaps=snaps)
         where = f"; where they were: {where}" if where else ""
-        self._fail(TimeoutError(f"ranch: the call did not finish within {self.timeout:g} s "
+        self.outcome.fail(TimeoutError(f"ranch: the call did not finish within {self.timeout:g} s "
                                 f"(ranks still running: {running}{where}); every rank was stopped"))
 
     def _begin_watch(self) -> None:
@@ -70,7 +67,7 @@ class WatchedCall:
     def _absent(self) -> dict[int, str]:
         """The ranks that left the call: their fn returned."""
         gone = {r.rank: "returned from fn" for r in self.ranks.values()
-                if r.done and r.rank not in self.failed_ranks or r.rank in self.watch.kept}
+                if r.done and r.rank not in self.outcome.failed_ranks or r.rank in self.watch.kept}
         if self.caller_rank is not None and self.own_returned:
             gone[self.caller_rank] = "returned from fn"
         return gone
@@ -82,7 +79,7 @@ class WatchedCall:
                                 kind=verdict.kind, culprit=verdict.culprit)
         if self.caller_rank is not None and not self.finished:
             self._unstick_own_rank()
-        self._fail(error)
+        self.outcome.fail(error)
 
     def _unstick_own_rank(self) -> None:
         from ..rank import group
@@ -97,7 +94,8 @@ class WatchedCall:
 
     def _held_answered(self) -> bool:
         """A held error's group: has every other rank of it answered (returned, done, failed)?"""
-        error = self.held[0] if self.held is not None else None
+        held = self.outcome.held
+        error = held[0] if held is not None else None
         context = getattr(error, "context", None)
         if not isinstance(error, RankError) or context is None or context.blocked is None:
             return False

@@ -12,18 +12,19 @@ views.py            %dist_view: labelled lines (figures in rank order) or a tab 
 router.py           automatic mode's input transformer; the ranks a %%rank line names
 status.py           %dist_status's table
 auto.py             automatic mode: which cells go to the ranks, which lines stay
-onrank.py           %time / %timeit measured on the ranks
-cells.py            what every magic needs from a cell: its source compiled as
-                    ``Cell In[n]``, the notebook names it reads, showing values
+names.py            the names a cell reads from the notebook (sent to the ranks)
+cell.py             a cell in IPython: compiled as ``Cell In[n]``, its values and
+                    errors shown
 ==================  ===============================================================
 
-Ranks import this package (``_run_cell_on_rank`` lives in ranch.py), so nothing
-here imports IPython at import time: each magics class is built on first use.
+What a rank runs for a cell lives below the process boundary (rank/cells.py): ranks never
+import this package. Each magics class is built on first use, not at import.
 """
 
 from __future__ import annotations
 
-from .cells import CellSyntaxError, names_read_from_notebook, notebook_names_for
+from .cell import CellSyntaxError
+from .names import names_read_from_notebook, notebook_names_for
 from .ranch import _run_cell_on_rank  # noqa: F401  (where pickles of older cells look for it)
 
 

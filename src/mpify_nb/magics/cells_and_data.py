@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import shlex
 
-from .cells import cell_number, show_briefly
+from ..rank.cells import _sync_on_rank
+from .cell import cell_number, show_briefly
 from .rank_cells import RankCells, _rank_list, usage
 from .router import parse_ranks
 
@@ -198,14 +199,3 @@ def cells_and_data_class() -> type:
             print(f"ranks {_rank_list(range(s.world_size))} in sync")
 
     return CellsAndData
-
-
-def _sync_on_rank() -> None:
-    """%sync on a rank: CUDA work finished, then a barrier on the group."""
-    import torch
-    import torch.distributed as dist
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()

@@ -22,7 +22,7 @@ import re
 import sys
 from typing import Any, Callable, Optional
 
-from .cells import show_briefly
+from .cell import show_briefly
 from .rank_cells import RankCells, usage
 from .router import parse_ranks
 from .status import status_table

@@ -18,72 +18,26 @@ notebook. The other ranks are fresh processes with a fresh ``__main__``. The cel
 is compiled under a name registered with IPython's compiler, so a remote
 traceback shows ``Cell In[n], line k`` and the cell's own lines.
 
-This module is imported by every rank (it holds ``_run_cell_on_rank``), so it
-imports IPython only where the magics are built, in the notebook process.
-What the magics share (parsing a cell, the names it reads) is in cells.py.
+What every rank runs, ``_run_cell_on_rank``, lives below the process boundary
+(rank/cells.py): ranks never import this package. What the magics share: a cell's
+names read from the notebook (names.py), compiling and showing it (cell.py).
 """
 
 from __future__ import annotations
 
-import ast
-import builtins
 import functools
-import linecache
-import os
 import re
 import sys
 from typing import Any, Optional
 
-from .cells import (
-    compile_cell,
-    ends_with_semicolon,
-    has_value,
-    labelled,
-    notebook_names_for,
-    payload_message,
-    show_briefly,
-)
+from ..rank.cells import _run_cell_on_rank
+from .cell import compile_cell, ends_with_semicolon, has_value, labelled, payload_message, show_briefly
+from .names import notebook_names_for
 
 _USAGE = "%%ranch N [--ddp] [--gpus IDS] [--timeout S] [--no-gather]"
 
 #: Per-rank values of the last %%ranch cell that finished (None: none finished, or it failed).
 _last_result: Optional[list] = None
-
-
-# -- what runs on every rank ----------------------------------------------------------------
-
-def _run_cell_on_rank(source: str, filename: str, send_value: bool = True) -> Any:
-    """Execute a cell in this process's ``__main__`` and return its last expression's value.
-
-    On rank 0 (the notebook) ``__main__`` is the notebook's namespace; on the other
-    ranks it is the fresh module the rank was given, holding the shipped names.
-    ``send_value`` False: ranks other than 0 return None (their values are not wanted).
-    """
-    namespace = sys.modules["__main__"].__dict__
-    if not hasattr(builtins, "display"):  # a rank has no IPython: display() prints, as in a terminal
-        namespace.setdefault("display", _display_as_text)
-    if filename not in linecache.cache:  # a rank: let its own traceback carry the cell's lines
-        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    module = ast.parse(source, filename)
-    last: Optional[ast.Expression] = None
-    tail = module.body[-1] if module.body else None
-    if isinstance(tail, ast.Expr):
-        module.body.pop()
-        last = ast.Expression(tail.value)
-    # dont_inherit: this module's `from __future__ import annotations` must not leak into the cell.
-    exec(compile(module, filename, "exec", dont_inherit=True), namespace)
-    if last is None:
-        return None
-    value = eval(compile(last, filename, "eval", dont_inherit=True), namespace)
-    if not send_value and os.environ.get("RANK") != "0":
-        return None
-    return value
-
-
-def _display_as_text(*objs: Any, **kwargs: Any) -> None:
-    """IPython's ``display()`` on a rank without IPython: print each object's repr."""
-    for obj in objs:
-        print(repr(obj))
 
 
 # -- the magics ------------------------------------------------------------------------------
@@ -97,7 +51,7 @@ def ranch_magics_class() -> type:
     from IPython.display import publish_display_data
 
     from ..ddp import in_torchddp
-    from ..launcher.call import ranch
+    from ..launcher.ranch import ranch
     from ..wire.errors import PayloadError, RankError
 
     @magics_class

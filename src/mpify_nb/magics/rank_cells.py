@@ -5,7 +5,7 @@ The part of the session magics (session.py) that turns one rank cell into Sessio
     %%rank [0]                          RankCells._run_cell
     %time y = f(x)      ── pieces ──>     kernel lines in the kernel, in their turn
     y                                     code: Session.run(..., display=the cell's view)
-                                          %time / %timeit: onrank's helpers on the ranks
+                                          %time / %timeit: rank/cells.py's, on the ranks
 
 What the ranks show goes through the cell's view (views.py: labelled lines or tabs).
 """
@@ -15,10 +15,11 @@ from __future__ import annotations
 import ast
 from typing import Any, Callable, Optional, cast
 
+from ..rank import cells as onrank
 from ..wire.errors import PayloadError, RankError
-from . import onrank
 from .auto import Piece, split_cell
-from .cells import CellSyntaxError, cell_number, ends_with_semicolon, labelled, notebook_names_for, show_briefly
+from .cell import CellSyntaxError, cell_number, ends_with_semicolon, labelled, show_briefly
+from .names import notebook_names_for
 from .views import make_view, tabs_unavailable
 
 _INTERRUPTED = ("KeyboardInterrupt: the cell was interrupted; every rank stopped what it ran "

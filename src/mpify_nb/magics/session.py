@@ -36,7 +36,7 @@ import atexit
 import functools
 from typing import Any, Callable, Optional
 
-from .cells import name_magic_calls_apart
+from .cell import name_magic_calls_apart
 from .cells_and_data import cells_and_data_class
 from .lifecycle import session_lifecycle_class
 from .router import CellRouter, parse_ranks

@@ -34,7 +34,7 @@ import re
 import uuid
 from typing import Any, Optional
 
-from .cells import labelled
+from .cell import labelled
 
 VIEWS = ("lines", "tabs")
 

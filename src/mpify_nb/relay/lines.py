@@ -6,6 +6,7 @@ line (a bar, a partial line that grows), and the caller's own streams while rank
     rank bytes ── split_lines / whole_characters ──> whole lines, whole UTF-8 characters
     "\\rbar 40%"  ── Bar: display(..., display_id), then update_display_data, left at its last state
     caller's print(...) ── LineTracker: passed through; its "\\r" redraws (tqdm) a Bar of its own
+    whole lines of rank k ── LabelledStreams.write: "[rank k] ..." on the cell's stdout or stderr
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ BAR_TEXT_INTERVAL = 2.0  # elsewhere each redraw is a new line: one every 2 s (a
 #: A per-rank view gets a rank's text at most this often (each update of a widget's outputs
 #: resends all of them: given a line at a time, 1000 lines sent 20 MB; now 1.2 MB)
 VIEW_INTERVAL = 0.1
+#: How long a rank's line waits for the caller's own line (a print without its end) to end.
+_MID_LINE_WAIT = 0.5
 
 
 class Bar:
@@ -206,3 +209,75 @@ def whole_characters(buf: bytes) -> bytes:
             need = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
             return buf if back >= need else buf[:-back]
     return buf
+
+
+class LabelledStreams:
+    """The cell's two streams, stdout and stderr, as the ranks' lines are written to them: each
+    line labelled ``[rank k]``, a line left open for the rank (fd) that wrote its start, and
+    the caller's own writes (its ``LineTracker`` on each) kept from landing inside it. Its
+    callers hold ``cond`` (shared with the trackers) or the relay's lock."""
+
+    def __init__(self, stdout: TextIO, stderr: TextIO, cond: threading.Condition):
+        self.cond = cond
+        self.targets = (stdout, stderr)
+        self.trackers = (LineTracker(stdout, cond), LineTracker(stderr, cond))
+        self.open_line: list[Optional[int]] = [None, None]  # per stream: the fd whose line is open
+
+    def retarget(self, stdout: TextIO, stderr: TextIO) -> None:
+        """Write to these streams from now on (the cell that runs now)."""
+        self.targets = (stdout, stderr)
+        self.trackers = (LineTracker(stdout, self.cond), LineTracker(stderr, self.cond))
+
+    def is_open(self, fd: int, stream: int) -> bool:
+        """Is ``fd``'s line open on ``stream`` (shown up to its end, which has not come)?"""
+        return self.open_line[stream] == fd and self.trackers[stream].rank_line_open
+
+    def close_line(self, fd: int, stream: int) -> None:
+        """What ``fd`` writes next on ``stream`` starts a line of its own."""
+        if self.open_line[stream] == fd:
+            self.open_line[stream] = None
+            self.trackers[stream].rank_line_open = False
+
+    def new_call(self) -> None:
+        """The next call's output starts on lines of its own (a new cell's output area)."""
+        self.open_line = [None, None]
+        for tracker in self.trackers:
+            tracker.rank_line_open = False
+
+    def flush(self) -> None:
+        for target in self.targets:
+            try:
+                target.flush()
+            except Exception:
+                pass
+
+    def write(self, fd: int, where: tuple[int, int], data: bytes) -> None:
+        """Write ``data`` from ``fd``, labelled line by line. It may end mid-line (a partial
+        line shown): that line stays open for ``fd`` until its end comes, or someone else writes."""
+        rank, stream = where
+        prefix = f"[rank {rank}] "
+        whole, rest = split_lines(data)
+        # A line end never falls inside a UTF-8 character: each line decodes alone.
+        lines = [line.decode("utf-8", errors="replace") for line in whole]
+        tail = rest.decode("utf-8", errors="replace")
+        if tail:
+            lines.append(tail)
+        target, tracker = self.targets[stream], self.trackers[stream]
+        with self.cond:
+            continuing = self.open_line[stream] == fd and tracker.rank_line_open
+            if tracker.mid_line and not self.cond.wait_for(lambda: not tracker.mid_line, _MID_LINE_WAIT):
+                tracker.mid_line = False
+                lead = "\n"  # the caller left a line open: start ours on a new one
+            elif not continuing and tracker.rank_line_open:
+                lead = "\n"  # another rank's line is open: close it
+            else:
+                lead = ""
+            text = lead + "".join(line if i == 0 and continuing else prefix + line for i, line in enumerate(lines))
+            still_open = bool(tail)
+            self.open_line[stream] = fd if still_open else None
+            tracker.rank_line_open = still_open
+            try:
+                target.write(text)
+                target.flush()
+            except Exception:
+                pass  # a closed or broken caller stream must not kill the relay (ranks would block)

@@ -3,14 +3,15 @@
 The relay (relay/pipes.py) reads each rank's pipes and hands their bytes here, per fd, with the
 rank and stream (``where``) they belong to::
 
-    bytes of (rank, stream) ── RankOutput._emit ──> whole lines ──> _write: "[rank k] ..." on the
-         │                                      │                  caller's stream (LineTracker)
+    bytes of (rank, stream) ── RankOutput._emit ──> whole lines ──> LabelledStreams: "[rank k] ..."
+         │                                      │                  on the caller's stream
          │                                      └── "...\\r" lines ──> a Bar: one live line (_show_bar)
          ├── a partial line, waited _PARTIAL_WAIT ──> _write_partial: a growing display line (Jupyter)
          │                                            or the stream, continued by its end
          └── a per-rank view (retarget's sink) ──> ViewFeed: raw text by rank, no labels
 
-The cutting and drawing themselves (split_lines, Bar, LineTracker, ViewFeed) are relay/lines.py's.
+The cutting, drawing and writing themselves (split_lines, Bar, LabelledStreams, LineTracker,
+ViewFeed) are relay/lines.py's.
 """
 
 from __future__ import annotations
@@ -19,10 +20,9 @@ import threading
 import time
 from typing import Callable, Optional, TextIO
 
-from .lines import Bar, LineTracker, ViewFeed, notebook_display, split_lines, whole_characters
+from .lines import Bar, LabelledStreams, LineTracker, ViewFeed, notebook_display, split_lines, whole_characters
 
 _CHUNK = 1 << 16
-_MID_LINE_WAIT = 0.5
 _PARTIAL_WAIT = 0.1  # how long a partial line waits for its end before it is shown
 #: A partial line (or a bar's state) this long is shown at once: what waits for its end stays
 #: bounded, so relaying costs time linear in the output's size, however long a line is.
@@ -44,15 +44,13 @@ class RankOutput:
     def __init__(self, stdout: TextIO, stderr: TextIO):
         # Another call's tracker is not a target: it may be gone before we are done.
         stdout, stderr = _underlying(stdout), _underlying(stderr)
-        self._targets = (stdout, stderr)
-        self._cond = threading.Condition()
-        self._trackers = (LineTracker(stdout, self._cond), LineTracker(stderr, self._cond))
+        #: the cell's streams, written labelled ("[rank k] ..."), with whose line is open on each
+        self._streams = LabelledStreams(stdout, stderr, threading.Condition())
         self._pending: dict[int, bytes] = {}
         self._partial_since: dict[int, float] = {}  # fd -> when its pending partial line began
         self._where: dict[int, tuple[int, int]] = {}  # fd -> (rank, stream)
         self._bars: dict[int, Bar] = {}  # fd -> the bar line it is drawing now
         self._display = notebook_display(stdout)  # None: a terminal or a file, bars as text lines
-        self._open_line: list[Optional[int]] = [None, None]  # per stream: the fd whose line is open
         #: fd -> its partial line shown before its end, in Jupyter: a live display line of its own
         self._growing: dict[int, Bar] = {}
         #: where a call's output goes instead of the streams: sink(rank, "stdout"|"stderr", text),
@@ -73,8 +71,7 @@ class RankOutput:
         stdout, stderr = _underlying(stdout), _underlying(stderr)
         with self._lock:
             self._sink = ViewFeed(sink) if sink is not None else None
-            self._targets = (stdout, stderr)
-            self._trackers = (LineTracker(stdout, self._cond), LineTracker(stderr, self._cond))
+            self._streams.retarget(stdout, stderr)
             self._display = notebook_display(stdout)
 
     def status(self, text: Optional[str]) -> None:
@@ -95,10 +92,10 @@ class RankOutput:
             now = time.monotonic()
             display = self._display
             if display is not None:
-                line.draw(display, {"text/plain": text}, self._flush_targets)
+                line.draw(display, {"text/plain": text}, self._streams.flush)
             elif line.last_shown is None or now >= line.last_shown + STATUS_TEXT_INTERVAL:
                 try:
-                    self._trackers[1].write(text + "\n")
+                    self._streams.trackers[1].write(text + "\n")
                 except Exception:
                     pass
             else:
@@ -179,7 +176,7 @@ class RankOutput:
                 plain.append(line)
                 continue
             if plain:
-                self._write(fd, where, b"".join(plain))
+                self._streams.write(fd, where, b"".join(plain))
                 plain = []
             if bar is None:
                 bar = self._start_bar(fd, where)
@@ -191,15 +188,15 @@ class RankOutput:
             if not is_bar_step:  # its newline: the line is done, its last state stays
                 self._end_bar(fd, where)
         if plain:
-            self._write(fd, where, b"".join(plain))
+            self._streams.write(fd, where, b"".join(plain))
 
     # -- progress bars: a rank's carriage-return line, shown as one live line ------------------
 
     def _start_bar(self, fd: int, where: tuple[int, int]) -> Bar:
         stream = where[1]
         self._end_growing(fd, where)
-        if self._open_line[stream] == fd and self._trackers[stream].rank_line_open:
-            self._write(fd, where, b"\n")  # its partial line, shown already, ends where it is
+        if self._streams.is_open(fd, stream):
+            self._streams.write(fd, where, b"\n")  # its partial line, shown already, ends where it is
         bar = self._bars[fd] = Bar(time.monotonic())
         return bar
 
@@ -214,12 +211,12 @@ class RankOutput:
         label = f"[rank {where[0]}] "
         if self._display is None:
             if bar.text:
-                self._write(fd, where, (bar.text + "\n").encode())
+                self._streams.write(fd, where, (bar.text + "\n").encode())
         else:
             if bar.handle is None and not bar.text:
                 return  # a bare "\r", or a bar cleared before it was shown: no empty line
             # (what the ranks wrote before the bar stays above it)
-            bar.draw(self._display, {"text/plain": label + bar.text}, self._flush_targets)
+            bar.draw(self._display, {"text/plain": label + bar.text}, self._streams.flush)
         bar.shown = bar.text
         bar.last_shown = now
 
@@ -227,13 +224,6 @@ class RankOutput:
         bar = self._bars.pop(fd, None)
         if bar is not None:
             self._show_bar(fd, where, bar, final=True)
-
-    def _flush_targets(self) -> None:
-        for target in self._targets:
-            try:
-                target.flush()
-            except Exception:
-                pass
 
     def _partial_wait(self) -> Optional[float]:
         """Seconds until the oldest pending partial line, or a bar's new state, is due to be
@@ -267,7 +257,7 @@ class RankOutput:
         line = self._growing.get(fd)
         if self._display is None or len(shown) + (len(line.text) if line is not None else 0) > _LONG_LINE:
             self._end_growing(fd, where)  # redrawing a line this long would cost its length each time
-            self._write(fd, where, shown)
+            self._streams.write(fd, where, shown)
             return
         if line is None:
             line = self._growing[fd] = Bar(time.monotonic())
@@ -277,7 +267,7 @@ class RankOutput:
     def _show_line(self, where: tuple[int, int], line: Bar) -> None:
         if line.text == line.shown or self._display is None:
             return
-        line.draw(self._display, {"text/plain": f"[rank {where[0]}] {line.text}"}, self._flush_targets)
+        line.draw(self._display, {"text/plain": f"[rank {where[0]}] {line.text}"}, self._streams.flush)
         line.shown = line.text
 
     def _end_growing(self, fd: int, where: tuple[int, int]) -> None:
@@ -313,8 +303,8 @@ class RankOutput:
             self._growing[fd].text += rest.decode("utf-8", errors="replace")
             self._end_growing(fd, where)
             rest = b""
-        if rest or self._open_line[where[1]] == fd:
-            self._write(fd, where, rest + b"\n")
+        if rest or self._streams.open_line[where[1]] == fd:
+            self._streams.write(fd, where, rest + b"\n")
 
     # -- the end of a call, a prompt ------------------------------------------------------
 
@@ -342,10 +332,7 @@ class RankOutput:
         if self._sink is not None:
             self._sink.give_all()
         self._sink = None
-        # The next call's output starts on lines of its own (a new cell's output area).
-        self._open_line = [None, None]
-        for tracker in self._trackers:
-            tracker.rank_line_open = False
+        self._streams.new_call()  # the next call's output starts on lines of its own
 
     def _take_partial(self, fd: int, where: tuple[int, int]) -> str:
         """The part of ``fd``'s open line not shown yet, taken (input()'s prompt)."""
@@ -353,39 +340,6 @@ class RankOutput:
         taken = whole_characters(buf)
         self._pending[fd] = buf[len(taken):]
         self._partial_since.pop(fd, None)
-        if self._open_line[0] == fd:  # what the rank writes after the answer starts a new line
-            self._open_line[0] = None
-            self._trackers[0].rank_line_open = False
+        self._streams.close_line(fd, 0)  # what the rank writes after the answer starts a new line
         self._end_growing(fd, where)
         return taken.decode("utf-8", errors="replace")
-
-    def _write(self, fd: int, where: tuple[int, int], data: bytes) -> None:
-        """Write ``data`` from ``fd``, labelled line by line. It may end mid-line (a partial
-        line shown): that line stays open for ``fd`` until its end comes, or someone else writes."""
-        rank, stream = where
-        prefix = f"[rank {rank}] "
-        whole, rest = split_lines(data)
-        # A line end never falls inside a UTF-8 character: each line decodes alone.
-        lines = [line.decode("utf-8", errors="replace") for line in whole]
-        tail = rest.decode("utf-8", errors="replace")
-        if tail:
-            lines.append(tail)
-        target, tracker = self._targets[stream], self._trackers[stream]
-        with self._cond:
-            continuing = self._open_line[stream] == fd and tracker.rank_line_open
-            if tracker.mid_line and not self._cond.wait_for(lambda: not tracker.mid_line, _MID_LINE_WAIT):
-                tracker.mid_line = False
-                lead = "\n"  # the caller left a line open: start ours on a new one
-            elif not continuing and tracker.rank_line_open:
-                lead = "\n"  # another rank's line is open: close it
-            else:
-                lead = ""
-            text = lead + "".join(line if i == 0 and continuing else prefix + line for i, line in enumerate(lines))
-            still_open = bool(tail)
-            self._open_line[stream] = fd if still_open else None
-            tracker.rank_line_open = still_open
-            try:
-                target.write(text)
-                target.flush()
-            except Exception:
-                pass  # a closed or broken caller stream must not kill the relay (ranks would block)

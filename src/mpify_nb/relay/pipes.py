@@ -90,8 +90,8 @@ def _before_fork() -> None:
     # Every relay's lock before any stream's (a relay thread holds its own while it waits for
     # a stream's), and a stream that two relays write to once.
     streams = {id(lock): lock for relay in relays for lock in
-               (getattr(target, "_buffer_lock", None) for target in relay._targets) if lock is not None}
-    for lock in [*(relay._cond for relay in relays), *streams.values()]:
+               (getattr(target, "_buffer_lock", None) for target in relay._streams.targets) if lock is not None}
+    for lock in [*(relay._streams.cond for relay in relays), *streams.values()]:
         lock.acquire()
         _held_over_fork.append(lock)
 
@@ -104,11 +104,11 @@ def _after_fork_in_parent() -> None:
 def _after_fork_in_child() -> None:
     _held_over_fork.clear()
     for relay in list(_running):
-        relay._cond = threading.Condition()
-        for tracker in relay._trackers:
-            tracker._cond = relay._cond
+        relay._streams.cond = threading.Condition()
+        for tracker in relay._streams.trackers:
+            tracker._cond = relay._streams.cond
             tracker.mid_line = False
-        for target in relay._targets:
+        for target in relay._streams.targets:
             lock = getattr(target, "_buffer_lock", None)
             if lock is not None:
                 target._buffer_lock = type(lock)()  # type: ignore[union-attr]
@@ -163,17 +163,17 @@ class OutputRelay(RankOutput):
         with _streams_lock:
             self._tracking = not isinstance(sys.stdout, LineTracker) and not isinstance(sys.stderr, LineTracker)
             if self._tracking:
-                sys.stdout, sys.stderr = self._trackers
+                sys.stdout, sys.stderr = self._streams.trackers
 
     def _untrack(self) -> None:
         # Put the caller's streams back, unless its code has replaced them meanwhile.
         if not self._tracking:
             return
         with _streams_lock:
-            if sys.stdout is self._trackers[0]:
-                sys.stdout = self._targets[0]
-            if sys.stderr is self._trackers[1]:
-                sys.stderr = self._targets[1]
+            if sys.stdout is self._streams.trackers[0]:
+                sys.stdout = self._streams.targets[0]
+            if sys.stderr is self._streams.trackers[1]:
+                sys.stderr = self._streams.targets[1]
 
     def close(self, timeout: float = 2.0) -> None:
         """Wait until every rank's pipes have closed (the ranks are gone), at most
@@ -189,8 +189,8 @@ class OutputRelay(RankOutput):
                     self._finish(key.fd, key.data)
         if self._thread.is_alive():  # it leaves once nothing is watched
             self._thread.join()
-        with self._cond:
-            for tracker in self._trackers:
+        with self._streams.cond:
+            for tracker in self._streams.trackers:
                 tracker.show_bar()  # the caller's bar, left at its last state
         self._untrack()
         _running.discard(self)

@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterable
 from typing import Any, Callable, Optional, Union
 
-from ..engine import core
+from ..engine import interrupts
 from ..wire import payload
 from ..wire.errors import RankError, RankExitedError, SessionClosedError, merge_rank_errors
 from ..wire.protocol import COMM, DONE, NO_REQUEST
@@ -77,10 +77,10 @@ class SessionCalls(SessionRecovery):
             self._display = display
             with self._flag_lock:
                 self._current, self._interrupt_asked = req, False
-            restore = core.take_sigint(self._on_sigint, self)
+            restore = interrupts.take_sigint(self._on_sigint, self)
             # a per-rank view takes the ranks' streams (magics/views.py)
             self._engine.relay.retarget(sys.stdout, sys.stderr, getattr(display, "rank_streams", None))
-            self._engine.prompter = None  # made at the first prompt: most calls have none
+            self._engine.user_waits.prompter = None  # made at the first prompt: most calls have none
             try:
                 self._engine.starting_call(members)  # capabilities first (the debugger attaches new ranks)
                 for m in members:
@@ -94,7 +94,7 @@ class SessionCalls(SessionRecovery):
                 raise
             finally:
                 self._engine.watch.end()
-                self._engine.close_prompts()
+                self._engine.user_waits.close_prompts()
                 with self._flag_lock:
                     self._current = NO_REQUEST
                 restore()
@@ -135,7 +135,7 @@ class SessionCalls(SessionRecovery):
                     watch.soon()  # a rank finished: one still running may wait for it in a collective
                 if self._interrupt_asked:
                     raise KeyboardInterrupt
-                wait = self._engine.time_left(deadline)  # time a rank waits for the user is not the call's
+                wait = self._engine.user_waits.time_left(deadline)  # time a rank waits for the user is not the call's
                 if wait is not None and wait <= 0:
                     assert timeout is not None  # a deadline comes from it
                     running_ranks = [m.rank for m in members if m.req == req]

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
-from ..engine import comms, core, interrupts
+from ..engine import comms, core, interrupts, members
 from ..relay.pipes import OutputRelay
 from ..start import placement
 from ..torchdist.groups import listen_on
@@ -38,7 +38,7 @@ from ..wire.protocol import (
 _PIPE_SIZE = 1 << 20
 
 
-class Member(core.Member):
+class Member(members.Member):
     """The caller's view of one persistent rank."""
 
     def __init__(self, *args: Any) -> None:
@@ -273,9 +273,9 @@ class SessionRanks:
         self._engine.read_sent(m, lambda: m.req != NO_REQUEST, (DONE, FAIL))
         self._engine.unregister(m.channel, m.control, m.process.death_fd)
         # Every later call fails with this until the rank is replaced: say how.
-        m.exit_error = self._engine.death_error(
-            m, noticed, f"Its Python state is lost; {self.restart_how} starts a fresh rank {m.rank} "
-                        "and rebuilds the group (the other ranks keep their state).")
+        m.exit_error = m.death_error(
+            noticed, f"Its Python state is lost; {self.restart_how} starts a fresh rank {m.rank} "
+                     "and rebuilds the group (the other ranks keep their state).")
         m.state = "dead"
         self._comms.close_rank(m.rank)  # widgets: its models close in the frontend
         self._engine.gone(m)  # a capability's (the debugger's threads of it exit)
@@ -286,7 +286,7 @@ class SessionRanks:
 
     def _notice_deaths(self) -> None:
         """Between calls nobody watches: look now at the pidfds of ranks thought alive."""
-        for m in self._engine.ended([m for m in self._members.values() if m.alive]):
+        for m in members.ended([m for m in self._members.values() if m.alive]):
             self._on_death(m)
 
     def _on_sigint(self) -> None:

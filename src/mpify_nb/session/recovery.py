@@ -87,9 +87,9 @@ class SessionRecovery(SessionRanks):
     def _stop(self, members: list[Member], req: int) -> None:
         """Interrupt every rank still running ``req``; unstick collectives; rebuild the group
         when it was torn down. Bounded in time; a second Ctrl-C does not cut it short."""
-        if self._engine.prompter is None:  # a read that comes now is answered end of file at once
-            self._engine.open_prompts()
-        self._engine.close_prompts()  # a rank at a prompt reads KeyboardInterrupt, then end of file
+        if self._engine.user_waits.prompter is None:  # a read that comes now is answered end of file at once
+            self._engine.user_waits.open_prompts()
+        self._engine.user_waits.close_prompts()  # a rank at a prompt reads KeyboardInterrupt, then end of file
         for m in members:
             if m.alive and m.req == req:
                 self._engine.send_control(m, INTERRUPT, req)

@@ -63,10 +63,9 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ..engine import core, interrupts
+from ..engine import interrupts
 from ..engine import verdict as verdicts
 from ..start import placement
 from ..torchdist.groups import parse_gpus
@@ -74,79 +73,7 @@ from ..wire import payload
 from ..wire.errors import PayloadError, RankError
 from ..wire.protocol import APPLY, MISSING, NO_REQUEST, PULL, PUSH, RUN
 from .calls import Ranks, SessionCalls, check_timeout
-
-
-@dataclass
-class RankStatus:
-    """One rank's row of :meth:`Session.status` (``%dist_status`` shows the same as a table).
-
-    Attributes:
-        rank: the rank.
-        pid: its process id (on its node).
-        state: ``"idle"``, ``"running"`` or ``"dead"``.
-        device: ``"cpu"`` or its GPU, ``"cuda:k"``.
-        rss: resident memory in bytes (None once dead, or on another host).
-        gpu_memory: bytes allocated by torch on its GPU; None without CUDA.
-        last_cell: the first line of the last thing it ran.
-        exit_detail: how it died ("" while it lives).
-        node: the address of the host it runs on (a Ray node's, under Ray).
-
-    Example (a notebook cell):
-
-    ```python
-    from mpify_nb import Session
-
-    with Session(2) as s:
-        s.run("x = rank * 10")
-        for row in s.status():
-            print(row.rank, row.state, row.last_cell, row.rss > 0)
-    ```
-
-    ```output
-    0 idle x = rank * 10 True
-    1 idle x = rank * 10 True
-    ```
-    """
-
-    rank: int
-    pid: int
-    state: str
-    device: str
-    rss: Optional[int]
-    gpu_memory: Optional[int]
-    last_cell: str
-    exit_detail: str = ""
-    node: str = "127.0.0.1"
-
-
-@dataclass
-class RankWhere:
-    """One rank in :meth:`Session.where`: what it does (``"waits in all_reduce #5 of float32[4]
-    (12 s)"``, ``"running"``, ``"blocked in sleep()"``, ``"idle"``), its line, its Python stack
-    (as a traceback shows it) and the collectives it has issued that have not completed."""
-
-    rank: int
-    doing: str
-    line: Optional[tuple[str, int]]
-    stack: list[str]
-    pending: list[str]
-
-    def __str__(self) -> str:
-        head = f"rank {self.rank}: {self.doing}"
-        body = [f"  {line}" for line in self.stack]
-        if self.pending:
-            body.append(f"  pending: {'; '.join(self.pending)}")
-        return "\n".join([head, *body])
-
-
-class Where(dict):
-    """:meth:`Session.where`'s answer: ``{rank: RankWhere}``, shown as each rank's block."""
-
-    def __str__(self) -> str:
-        return "\n".join(str(self[r]) for r in sorted(self))
-
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(str(self))
+from .status import RankStatus, RankWhere, Where, _rss
 
 
 class Session(SessionCalls):
@@ -367,7 +294,7 @@ class Session(SessionCalls):
         out = Where()
         for r in sorted(snaps):
             snap = snaps[r]
-            out[r] = RankWhere(r, verdicts.doing_text(snap, now, self._engine.waiting_for_user(r)), snap.where,
+            out[r] = RankWhere(r, verdicts.doing_text(snap, now, self._engine.user_waits.waiting(r)), snap.where,
                                verdicts.stack_lines(snap), [verdicts.op_text(o) for o in snap.pending])
         return out
 
@@ -401,7 +328,7 @@ class Session(SessionCalls):
             # a session without those ranks). It takes effect once the restart is done.
             with self._flag_lock:
                 self._interrupt_asked = False
-            restore = core.take_sigint(self._on_sigint, self)
+            restore = interrupts.take_sigint(self._on_sigint, self)
             try:
                 for r in targets:
                     self._bury(self._members[r])  # stays a member, dead, until its successor exists
@@ -423,7 +350,7 @@ class Session(SessionCalls):
         # Done whole, as restart(): the stop button only notes that it was pressed (an interrupt
         # half-way left rank fds and the relay open), and raises once every rank is gone.
         interrupted = []
-        restore = core.take_sigint(lambda: interrupted.append(True), self)
+        restore = interrupts.take_sigint(lambda: interrupted.append(True), self)
         try:
             # Killed before taking the lock: a call running in another thread then ends at once.
             for m in list(self._members.values()):
@@ -483,16 +410,6 @@ def _wants_value(source: str) -> bool:
     """IPython shows the last expression's value unless the cell ends with ';'."""
     lines = [line for line in source.rstrip().splitlines() if line.strip()]
     return not lines or not lines[-1].split("#", 1)[0].rstrip().endswith(";")
-
-
-
-
-def _rss(pid: int) -> Optional[int]:
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 

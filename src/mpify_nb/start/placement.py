@@ -48,17 +48,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
-import signal
-import socket
-import subprocess
 import sys
 import types
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol
+from dataclasses import dataclass
+from typing import Any, Callable
 
-from . import template
+from .local import SpawnPlacer, TemplatePlacer
+from .placer import Layout as Layout
+from .placer import Placer
+from .placer import RankProcess as RankProcess
+from .placer import free_port as free_port
 
 START_METHODS = ("template", "spawn")
 _start_method = os.environ.get("MPIFY_NB_START_METHOD", "template")
@@ -244,108 +244,6 @@ class _CallableModule(types.ModuleType):
 sys.modules[__name__].__class__ = _CallableModule
 
 
-# -- the world a call reserves --------------------------------------------------------------
-
-@dataclass
-class Layout:
-    """Where each rank of one call runs, and what torch needs to know of it."""
-
-    nodes: dict[int, str]  # rank -> address of its node
-    master_addr: str
-    master_port: int
-    interfaces: dict[int, str] = field(default_factory=dict)  # rank -> NIC holding its node's address
-
-    @classmethod
-    def on_this_machine(cls, nprocs: int) -> Layout:
-        return cls({r: "127.0.0.1" for r in range(nprocs)}, "127.0.0.1", free_port("127.0.0.1"),
-                   {r: "lo" for r in range(nprocs)})  # all on one machine: gloo/NCCL on loopback
-
-    def order(self) -> list[str]:
-        """The call's nodes, in order of their lowest rank: GROUP_RANK is the index here."""
-        seen: list[str] = []
-        for r in sorted(self.nodes):
-            if self.nodes[r] not in seen:
-                seen.append(self.nodes[r])
-        return seen
-
-    def rank_env(self, rank: int) -> dict[str, str]:
-        """LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (torchrun's meaning: ranks grouped by node)."""
-        node = self.nodes[rank]
-        mates = sorted(r for r, n in self.nodes.items() if n == node)
-        return {"LOCAL_RANK": str(mates.index(rank)), "LOCAL_WORLD_SIZE": str(len(mates)),
-                "GROUP_RANK": str(self.order().index(node))}
-
-    def world_env(self, nprocs: int) -> dict[str, str]:
-        """What every rank's environment holds alike: WORLD_SIZE, MASTER_ADDR/PORT, and
-        torchrun's ROLE_*, GROUP_WORLD_SIZE... unless the user set them."""
-        from ..torchdist import libraries
-
-        env = {"WORLD_SIZE": str(nprocs), "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
-        env.update(libraries.torchrun_env(nprocs, groups=len(self.order())))
-        return env
-
-    def env_of(self, rank: int) -> dict[str, str]:
-        """Rank ``rank``'s own variables: RANK, LOCAL_RANK..., OMP_NUM_THREADS=1 when its host has
-        other ranks, and gloo/NCCL on the NIC that holds its node's address (unless the user chose)."""
-        from ..torchdist import libraries
-
-        env = {"RANK": str(rank), **libraries.torchrun_rank_env(rank)}
-        local = self.rank_env(rank)
-        env.update({k: v for k, v in local.items() if k != "GROUP_RANK" or "GROUP_RANK" not in os.environ})
-        env.update(libraries.torchrun_thread_env(int(local["LOCAL_WORLD_SIZE"])))
-        interface = self.interfaces.get(rank)
-        if interface:
-            env.update({name: interface for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-                        if name not in os.environ})
-        return env
-
-
-def free_port(address: str) -> int:
-    """A TCP port free on ``address`` now. Each call gets its own, so calls never collide."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
-
-
-class RankProcess(Protocol):
-    pid: int
-    death_fd: Optional[int]  # readable once the process has ended (a pidfd); None if unavailable
-    death_latency: float  # seconds between its death and death_fd turning readable, at worst
-    shares_clock: bool  # its time.monotonic() is ours (same host): its errors' timestamps compare
-
-    def kill(self) -> None: ...
-    def wait_gone(self, timeout: float) -> bool: ...
-    def exit_code(self, timeout: float) -> Optional[int]: ...
-    def death_detail(self) -> str: ...  # why it died, when its placer knows ("" otherwise)
-    def kill_leftovers(self) -> None: ...  # once it is gone: what it started and left behind
-    def close(self) -> None: ...
-
-
-class Placer(Protocol):
-    #: Ranks start with the caller's os.environ (plus the world's variables): true on this
-    #: machine; on another host a rank keeps its own environment (PATH, CUDA_VISIBLE_DEVICES...).
-    ships_environ: bool
-
-    def reserve(self, nprocs: int, caller_rank: Optional[int], timeout: Optional[float]) -> Layout:
-        """Reserve room for every rank (all or none) and say where each lands."""
-        ...
-
-    def start(self, rank: int, channel_fd: int, stdout_fd: int, stderr_fd: int,
-              timeout: Optional[float] = None) -> RankProcess:
-        """Start ``rank``; raise TimeoutError if it cannot be started within ``timeout`` s."""
-        ...
-
-    def store_port(self) -> int:
-        """A port for a new rendezvous store on the layout's master address (a Session that
-        rebuilds its group needs a fresh one each time)."""
-        ...
-
-    def release(self) -> None:
-        """The call is over: give back what ``reserve`` took."""
-        ...
-
-
 def get_placer() -> Placer:
     if _placement != "local":
         return _elsewhere[_placement].make_placer(_options)
@@ -354,146 +252,3 @@ def get_placer() -> Placer:
     return TemplatePlacer() if _start_method == "template" else SpawnPlacer()
 
 
-class _OnThisMachine:
-    ships_environ = True
-
-    def reserve(self, nprocs: int, caller_rank: Optional[int], timeout: Optional[float]) -> Layout:
-        return Layout.on_this_machine(nprocs)
-
-    def store_port(self) -> int:
-        return free_port("127.0.0.1")
-
-    def release(self) -> None:
-        pass
-
-
-class _Pidfd:
-    """Kill and watch a process by pidfd, immune to pid reuse."""
-
-    death_latency = 0.0  # a pidfd is readable the moment the process is gone
-    shares_clock = True
-
-    def __init__(self, pid: int):
-        self.pid = pid
-        try:
-            self.death_fd: Optional[int] = os.pidfd_open(pid)
-        except (OSError, AttributeError):
-            self.death_fd = None  # already gone (ESRCH), or an old kernel
-
-    def kill(self) -> None:
-        try:
-            if self.death_fd is not None:
-                signal.pidfd_send_signal(self.death_fd, signal.SIGKILL)
-            else:
-                os.kill(self.pid, signal.SIGKILL)
-        except (ProcessLookupError, OSError):
-            pass
-
-    def wait_gone(self, timeout: float) -> bool:
-        """Wait until the process has ended; True if it has."""
-        if self.death_fd is None:
-            return True
-        return bool(select.select([self.death_fd], [], [], timeout)[0])
-
-    def close(self) -> None:
-        if self.death_fd is not None:
-            os.close(self.death_fd)
-            self.death_fd = None
-
-    def death_detail(self) -> str:
-        return ""
-
-    def kill_leftovers(self) -> None:
-        # A rank leads its own process group; its id is not reused while a member lives.
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except OSError:
-            pass
-
-
-class _ForkedRank(_Pidfd):
-    def __init__(self, client: template.TemplateClient, pid: int):
-        super().__init__(pid)
-        self._client = client
-        self._code: Optional[int] = None
-        #: the modules it was born holding (its template's): a call need not ask it to import them
-        self.modules_held: Optional[frozenset[str]] = client.modules
-
-    def exit_code(self, timeout: float) -> Optional[int]:
-        if self._code is None:
-            self._code = self._client.exit_code(self.pid, timeout)
-        return self._code
-
-    def death_detail(self) -> str:
-        if self._client.alive():
-            return ""
-        return (f"the template process it was forked from (pid {self._client.pid}) died "
-                f"({self._client.how_it_ended()}), and its ranks with it")
-
-
-class TemplatePlacer(_OnThisMachine):
-    def __init__(self) -> None:
-        self._client = template.get_template()
-
-    def start(self, rank: int, channel_fd: int, stdout_fd: int, stderr_fd: int,
-              timeout: Optional[float] = None) -> RankProcess:
-        fds = [channel_fd, stdout_fd, stderr_fd]
-        limit = _TEMPLATE_PATIENCE if timeout is None else timeout
-        try:
-            pid = self._fork(fds, limit)
-        except template.TemplateUnresponsive as e:
-            if timeout is None:
-                raise
-            raise TimeoutError(f"rank {rank} could not be started within the call's timeout: {e}") from None
-        return _ForkedRank(self._client, pid)
-
-    def _fork(self, fds: list[int], limit: float) -> int:
-        died = False
-        for _ in range(_RETIRED_TRIES):
-            try:
-                return self._client.fork(fds, limit)
-            except template.TemplateUnresponsive:
-                raise
-            except template.TemplateRetired:
-                pass  # replaced since this call began (a preloaded one is in): the current one forks it
-            except template.TemplateDied:
-                if died:
-                    raise
-                died = True  # died since we last used it (killed, OOM): one fresh template, then give up
-            self._client = template.get_template()
-        return self._client.fork(fds, limit)
-
-
-#: Seconds a call without a timeout waits for the template to start (it imports torch) and fork.
-_TEMPLATE_PATIENCE = 120.0
-#: Templates a call asks for one rank when each retires (is replaced) under it.
-_RETIRED_TRIES = 3
-
-
-class _SpawnedRank(_Pidfd):
-    def __init__(self, proc: subprocess.Popen):
-        super().__init__(proc.pid)
-        self._proc = proc
-
-    def exit_code(self, timeout: float) -> Optional[int]:
-        try:
-            return self._proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
-
-
-class SpawnPlacer(_OnThisMachine):
-    def start(self, rank: int, channel_fd: int, stdout_fd: int, stderr_fd: int,
-              timeout: Optional[float] = None) -> RankProcess:
-        proc = subprocess.Popen(
-            [sys.executable, "-c",
-             "import sys; from mpify_nb.rank.loop import main; main(int(sys.argv[1]), int(sys.argv[2]))",
-             str(channel_fd), str(os.getpid())],
-            pass_fds=[channel_fd],
-            stdin=subprocess.DEVNULL,
-            stdout=stdout_fd,
-            stderr=stderr_fd,
-            env=template.bootstrap_env(),
-            **template.own_process_group(),
-        )
-        return _SpawnedRank(proc)

@@ -24,20 +24,17 @@ between looks: no thread of ours polls while the user's code runs.
 
 from __future__ import annotations
 
-import dis
-import functools
-import linecache
 import os
 import pickle
 import sys
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from . import compat, hidden_waits, p2p
-from .recorder import ROOTED, Op, entries_to_ops, issued, with_root
+from .recorder import Op, entries_to_ops, issued, with_root
+from .stacks import _doing, _in_our_loop, _is_user_file, _stack, blocked_call, user_line
 
 #: Entries the recorder keeps (a ring). Only the newest matter: an unfinished collective is
 #: one of the last few issued, and a small ring keeps a dump cheap (32 entries: ~0.3 ms; torch's
@@ -45,8 +42,6 @@ from .recorder import ROOTED, Op, entries_to_ops, issued, with_root
 RECORDER_ENTRIES = 32
 
 RECORDER_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # mpify_nb/, above torchdist/
-_LIBRARY_PREFIXES = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix, _PACKAGE_DIR})
 
 
 @dataclass(frozen=True)
@@ -276,247 +271,6 @@ def snapshot_of_failure(rank: int, exc: BaseException) -> Optional[Snapshot]:
                  done=False, issued_ns=last.issued_ns)
     return Snapshot(rank, tuple(ops[:-1]) + (blocked,), blocked, f"dist.{last.kind}", False, where, "waiting")
 
-
-def _in_our_loop(frame: Any) -> bool:
-    """The thread is in this library's own code, outside the user's (a persistent rank between cells)."""
-    while frame is not None:
-        if frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _doing(frame: Any, native_id: Optional[int]) -> str:
-    """"running" (Python, or C code that runs), or "in sleep()": the call it is blocked in."""
-    if frame is None:
-        return "running"
-    state = b"R"
-    if native_id is not None:
-        try:
-            with open(f"/proc/self/task/{native_id}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            pass
-    if state == b"R":
-        return "running"
-    name = _calling(frame)
-    return f"in {name}()" if name else "waiting"
-
-
-def _stack(frame: Any) -> tuple[tuple[str, int, str], ...]:
-    """The thread's frames from the user's code in (what it calls included), outermost first:
-    none while it runs none of the user's code (a persistent rank between cells)."""
-    frames = []
-    seen_user = False
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if seen_user and filename.startswith(_PACKAGE_DIR):
-            break  # our code, which runs the user's
-        seen_user = seen_user or _is_user_file(filename)
-        frames.append((filename, frame.f_lineno, frame.f_code.co_name))
-        frame = frame.f_back
-    return tuple(reversed(frames)) if seen_user else ()
-
-
-def blocked_call(frame: Any) -> tuple[Optional[Op], str, bool]:
-    """(the torch.distributed op the thread at ``frame`` waits in, how the user called it, whether
-    its peer is unknown); (None, "", False) when it waits in none. A collective waits in C++
-    under its c10d function's frame; a send or recv's locals name its peer and tag."""
-    if frame is None:
-        return None, "", False
-    filename = frame.f_code.co_filename
-    if filename.endswith(os.path.join("distributed", "distributed_c10d.py")):
-        return _c10d_call(frame)
-    if filename.endswith(os.path.join("nn", "parallel", "distributed.py")):
-        return None, f"DistributedDataParallel.{frame.f_code.co_name}", False
-    if _calling(frame) == "wait":
-        work = _unfinished_work(frame)
-        if work is not None:  # Work.wait() on an isend/irecv (a pipeline schedule's, say)
-            kind = _P2P_OPS.get(int(work._get_op_type()))
-            label = f"Work.wait() of a {kind or 'collective'}"
-            note = p2p.noted(work) if kind else None
-            if note is not None:  # its isend/irecv noted its peer and tag
-                op, peer_unknown = _p2p_op(*note)
-                return op, label, peer_unknown
-            if kind is None and (collective := _COLLECTIVE_OPS.get(int(work._get_op_type()))) is not None:
-                # An async_op collective's: named as the user called it (the recorder, where there is
-                # one, gives its number; before torch 2.8 gloo's has none, and this is all there is).
-                return Op(collective), f"dist.{collective}", False
-            return (Op(kind) if kind else None), label, kind is not None
-    return None, "", False
-
-
-def _c10d_call(frame: Any) -> tuple[Optional[Op], str, bool]:
-    name = frame.f_code.co_name
-    local = frame.f_locals
-    group = local.get("group")
-    ranks = _group_ranks(group)
-    group_name = _group_name(group)
-    label = f"dist.{name}"
-    if name in ("send", "recv"):
-        op, peer_unknown = _p2p_op(name, local)
-        return op, label, peer_unknown
-    root = None
-    if name in ROOTED:
-        which = ROOTED[name]
-        root = _global_rank(local.get(which), local.get(f"group_{which}"), ranks)
-    return Op(name, group_name, ranks, root=root), label, False
-
-
-def _p2p_op(name: str, local: dict) -> tuple[Op, bool]:
-    """A send's or recv's op from its arguments (``local``: by name), and whether its peer is unknown."""
-    group = local.get("group")
-    ranks = _group_ranks(group)
-    peer = _global_rank(local.get("dst" if name == "send" else "src"),
-                        local.get("group_dst" if name == "send" else "group_src"), ranks)
-    tensor = local.get("tensor")
-    shape = getattr(tensor, "shape", None)
-    tensors = ((_dtype_name(tensor), tuple(shape)),) if shape is not None else ()
-    tag = local.get("tag") if isinstance(local.get("tag"), int) else None
-    op = Op(name, _group_name(group), ranks, None, tensors if name == "send" else (),
-            tensors if name == "recv" else (), peer, tag)
-    return op, peer is None
-
-
-def _global_rank(global_rank: Any, group_rank: Any, ranks: Optional[tuple[int, ...]]) -> Optional[int]:
-    if isinstance(global_rank, int) and not isinstance(global_rank, bool):
-        return global_rank
-    if isinstance(group_rank, int) and not isinstance(group_rank, bool):
-        if ranks is None:
-            return group_rank
-        return ranks[group_rank] if 0 <= group_rank < len(ranks) else None
-    return None
-
-
-def _dtype_name(tensor: Any) -> str:
-    return str(getattr(tensor, "dtype", "?")).replace("torch.", "")
-
-
-def _group_name(group: Any) -> Optional[str]:
-    try:
-        from torch.distributed import distributed_c10d as c10d
-
-        if group is None:
-            group = c10d._get_default_group()
-        return c10d._world.pg_names.get(group)
-    except Exception:
-        return None
-
-
-#: torch's OpType numbers of point-to-point work (c10d/Types.hpp: SEND, RECV, RECVANYSOURCE).
-_P2P_OPS = {12: "send", 13: "recv", 14: "recv"}
-#: ... and of collectives, by the torch.distributed function that issues them.
-_COLLECTIVE_OPS = {0: "broadcast", 1: "all_reduce", 2: "all_reduce_coalesced", 3: "reduce", 4: "all_gather",
-                   5: "all_gather_into_tensor", 6: "all_gather_coalesced", 7: "gather", 8: "scatter",
-                   9: "reduce_scatter", 10: "all_to_all_single", 11: "all_to_all", 15: "barrier",
-                   16: "reduce_scatter_tensor"}
-
-
-def _calling(frame) -> Optional[str]:
-    """The name of the function or method ``frame`` is calling now (it waits in it), if any."""
-    return _called_names(frame.f_code).get(frame.f_lasti)
-
-
-_NAMED_LOADS = ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_ATTR", "LOAD_METHOD")
-
-
-@functools.lru_cache(maxsize=256)
-def _called_names(code) -> dict[int, str]:
-    """{offset of a call instruction: the name of the function it calls} of ``code``. The
-    value stack is followed instruction by instruction (names for what global, name and
-    attribute loads push): a call pops its callee and its arguments, and the callee is the
-    deepest named value of those (it was pushed before them)."""
-    out: dict[int, str] = {}
-    stack: list[Optional[str]] = []
-    precall = 0  # 3.11: PRECALL pops the arguments, CALL the callee
-    for ins in dis.get_instructions(code):
-        try:
-            effect = dis.stack_effect(ins.opcode, ins.arg if ins.opcode >= dis.HAVE_ARGUMENT else None, jump=False)
-        except ValueError:
-            effect = 0
-        if ins.opname == "PRECALL":
-            precall = effect
-            continue
-        if ins.opname.startswith("CALL"):
-            effect, precall = effect + precall, 0
-            popped = max(0, 1 - effect)  # it pushes one value: its result
-            names = [n for n in stack[len(stack) - popped:] if n is not None] if popped else []
-            if names:
-                out[ins.offset] = names[0]
-            del stack[max(0, len(stack) - popped):]
-            stack.append(None)
-            continue
-        if ins.opname in _NAMED_LOADS and isinstance(ins.argval, str):
-            attribute = ins.opname in ("LOAD_ATTR", "LOAD_METHOD")
-            del stack[max(0, len(stack) - int(attribute)):]
-            pushed = effect + int(attribute)
-            # A global pushed with a NULL below it (3.11+): the NULL is no callee; a method's two
-            # slots are both its own.
-            stack.extend([ins.argval if attribute else None] * (pushed - 1) + [ins.argval] * min(pushed, 1))
-            continue
-        if effect < 0:
-            del stack[max(0, len(stack) + effect):]
-        else:
-            stack.extend([None] * effect)
-    return out
-
-
-def _unfinished_work(frame) -> Any:
-    """A torch.distributed ``Work`` not completed among ``frame``'s local names (the one
-    whose ``wait()`` blocks), or None."""
-    try:
-        from torch._C._distributed_c10d import Work
-
-        for value in list(frame.f_locals.values()):
-            if isinstance(value, Work) and not value.is_completed():
-                return value
-    except Exception:
-        pass
-    return None
-
-
-def _group_ranks(group: Any) -> Optional[tuple[int, ...]]:
-    """The global ranks of ``group`` (None: the world, or unknown), so a collective on a
-    subgroup is not blamed on ranks outside it."""
-    try:
-        if group is None:
-            return None
-        import torch.distributed as dist
-
-        if group is dist.GroupMember.WORLD:
-            return None
-        return tuple(sorted(dist.get_process_group_ranks(group)))
-    except Exception:
-        return None
-
-
-def _is_user_file(filename: str) -> bool:
-    """The user's code: not torch's, the standard library's or ours; a ``<name>`` only when its
-    source is known (a Session's cell is; ``python -c``'s ``<string>`` is not)."""
-    if filename.startswith("<"):
-        return filename in linecache.cache
-    return not filename.startswith(_LIBRARY_PREFIXES) and not filename.startswith(_PACKAGE_DIR)
-
-
-def user_line(frame: Any) -> Optional[tuple[str, int]]:
-    """(file, line) of the innermost frame from ``frame`` out that is the user's own code (a
-    cell, a module of theirs), not torch's, the standard library's or ours; None once our own
-    code is reached first (what calls it, a rank's loop, a template's ``python -c``, is not the user's)."""
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if filename.startswith(_PACKAGE_DIR):
-            return None
-        if _is_user_file(filename):
-            return filename, frame.f_lineno
-        frame = frame.f_back
-    return None
-
-
-def native_id_of(thread_id: int) -> Optional[int]:
-    for thread in threading.enumerate():
-        if thread.ident == thread_id:
-            return thread.native_id
-    return None
 
 
 def _unrecorded_group() -> bool:

@@ -1,6 +1,7 @@
-"""What the timing magics run on a persistent rank: ``%time`` and ``%timeit`` measure the
-code where it runs. The kernel sends these functions with ``Session.apply`` (they travel
-by reference: every rank can import this module, which imports neither IPython nor torch)::
+"""What a rank runs for a notebook cell: a ``%%ranch`` cell (``_run_cell_on_rank``), ``%time`` and
+``%timeit`` measured where the code runs, ``%sync``. The magics (magics/) send these functions to
+the ranks, with ``ranch`` or ``Session.apply``; they travel by reference, so a rank imports this
+module, which imports neither IPython nor torch (nor anything above the process boundary)::
 
     kernel (%time / %timeit in a rank cell)           rank k (its __main__ namespace)
     ------------------------------------------        ------------------------------
@@ -17,6 +18,7 @@ every rank and never waits for a peer that stopped early.
 from __future__ import annotations
 
 import ast
+import builtins
 import itertools
 import linecache
 import os
@@ -108,6 +110,53 @@ def timeit_loops(stmt: str, setup: str, filename: str, cell_text: str, number: i
     _remember_cell(filename, cell_text)
     inner = _loop_function(stmt, setup, filename)
     return [inner(itertools.repeat(None, number), time.perf_counter) for _ in range(repeat)]
+
+
+# -- a %%ranch cell, on every rank --------------------------------------------------------------
+
+def _run_cell_on_rank(source: str, filename: str, send_value: bool = True) -> Any:
+    """Execute a cell in this process's ``__main__`` and return its last expression's value.
+
+    On rank 0 (the notebook) ``__main__`` is the notebook's namespace; on the other
+    ranks it is the fresh module the rank was given, holding the shipped names.
+    ``send_value`` False: ranks other than 0 return None (their values are not wanted).
+    """
+    namespace = sys.modules["__main__"].__dict__
+    if not hasattr(builtins, "display"):  # a rank has no IPython: display() prints, as in a terminal
+        namespace.setdefault("display", _display_as_text)
+    if filename not in linecache.cache:  # a rank: let its own traceback carry the cell's lines
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    module = ast.parse(source, filename)
+    last: Optional[ast.Expression] = None
+    tail = module.body[-1] if module.body else None
+    if isinstance(tail, ast.Expr):
+        module.body.pop()
+        last = ast.Expression(tail.value)
+    # dont_inherit: this module's `from __future__ import annotations` must not leak into the cell.
+    exec(compile(module, filename, "exec", dont_inherit=True), namespace)
+    if last is None:
+        return None
+    value = eval(compile(last, filename, "eval", dont_inherit=True), namespace)
+    if not send_value and os.environ.get("RANK") != "0":
+        return None
+    return value
+
+
+def _display_as_text(*objs: Any, **kwargs: Any) -> None:
+    """IPython's ``display()`` on a rank without IPython: print each object's repr."""
+    for obj in objs:
+        print(repr(obj))
+
+
+def _sync_on_rank() -> None:
+    """%sync on a rank: CUDA work finished, then a barrier on the group."""
+    import torch
+    import torch.distributed as dist
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 __all__ = ["time_code", "timeit_loops", "format_time"]
