@@ -61,7 +61,7 @@ from typing import Any, Callable, Optional, Union
 
 from . import preload
 from .environ import _env_signature
-from .template_client import TemplateClient, TemplateDied
+from .template_client import TemplateClient, TemplateDied, TemplateUnresponsive  # noqa: F401  (the names users import from here)
 
 _lock = threading.Lock()
 _client: Optional[TemplateClient] = None
