@@ -131,7 +131,7 @@ def _one_call(channel: socket.socket, state: RankState, req: int, body: Any, fds
         _send_failure(channel, req, e, f"rank {rank} could not load the call")
         process.end(0)
     p2p.install()  # isend/irecv note their peers for the caller's looks (torch already imported)
-    framing.send(channel, pack(READY, req))
+    control.send(channel, pack(READY, req))
     if framing.recv(channel) is None:  # no GO: the caller gave up (another rank failed to load)
         process.end(0)
     control.install_stdin(channel, state)
@@ -212,7 +212,7 @@ def _returned(channel: socket.socket, state: RankState, req: int) -> None:
     try:
         snap = waits.snapshot_of_return(state.rank)
         if snap is not None:
-            framing.send(channel, pack(RETURNED, req, pickle.dumps(snap)))
+            control.send(channel, pack(RETURNED, req, pickle.dumps(snap)))
     except Exception:
         pass  # only a clearer error is lost
 
@@ -245,7 +245,7 @@ def _report_imports(channel, req: int) -> None:
         news = [(name, getattr(module, "__file__", None)) for name, module in list(sys.modules.items())
                 if name not in _born_with and module is not None]
         if news:
-            framing.send(channel, pack(IMPORTED, req, pickle.dumps(news)))
+            control.send(channel, pack(IMPORTED, req, pickle.dumps(news)))
     except Exception:
         pass  # only a speed-up is lost
 
