@@ -75,19 +75,25 @@ def kill_descendants(pid: Optional[int] = None, spare: Collection[int] = (), rea
         killed.extend(p for p in found if p not in killed)
         time.sleep(0.001)  # let the kills land before looking again
     if reap:
-        _reap_orphans()
+        _reap_children()
     return killed
 
 
-def _reap_orphans() -> None:
-    # Killed descendants re-parented to us (we are a subreaper) are our zombies now.
+def _reap_children(patience: float = 2.0) -> None:
+    """Reap this process's children (those killed, and orphans re-parented to us: we are a
+    subreaper), waiting up to ``patience`` seconds for a SIGKILL to land: a process about to
+    exit must not leave them to whoever adopts them next (PID 1, which in a container may never
+    reap them: ``<defunct>`` for ever)."""
+    deadline = time.monotonic() + patience
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            return  # none left
         if pid == 0:
-            return
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.001)
 
 
 def _prctl(option: int, arg) -> bool:
