@@ -124,6 +124,7 @@ class Call(WatchedCall):
         if state.environ is not None:
             environ.set_caller_environ(state.environ)  # os.environ is rank 0's until restore()
         relay = self.engine.relay
+        garbage = payload.garbage_mark()
         values: list = [None] * self.nprocs
         watcher: Optional[threading.Thread] = None
         placer = placement.get_placer()
@@ -154,7 +155,8 @@ class Call(WatchedCall):
             self.outcome.raise_if_failed()
             self._judge_returned()
             for r in self.ranks.values():
-                values[r.rank] = r.value
+                values[r.rank], r.value = r.value, None  # the user's now: theirs to drop
+            payload.drop_import_garbage(garbage)
             return values
         except KeyboardInterrupt as e:
             self.outcome.interrupted = True

@@ -78,6 +78,7 @@ class SessionCalls(SessionRecovery):
             with self._flag_lock:
                 self._current, self._interrupt_asked = req, False
             restore = interrupts.take_sigint(self._on_sigint, self)
+            garbage = payload.garbage_mark()
             # a per-rank view takes the ranks' streams (magics/views.py)
             self._engine.relay.retarget(sys.stdout, sys.stderr, getattr(display, "rank_streams", None))
             self._engine.user_waits.prompter = None  # made at the first prompt: most calls have none
@@ -88,7 +89,9 @@ class SessionCalls(SessionRecovery):
                 self._begin_watch(req, members)
                 if len(members) < len(self._members):
                     self._engine.watch.soon()  # ranks outside the call: a collective may wait for them
-                return self._wait(members, req, timeout)
+                values = self._wait(members, req, timeout)
+                payload.drop_import_garbage(garbage)
+                return values
             except RankError as e:
                 self.last_error = e
                 raise
