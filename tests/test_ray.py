@@ -608,12 +608,13 @@ def test_idle_connections_to_the_link_listener_hold_no_thread_and_cannot_keep_a_
         sock.sendall(token[:20])  # half a hello, and no more
     wrong = socket.create_connection(address)
     wrong.sendall(secrets.token_bytes(32) + struct.pack("!II", 0, 1))
+    real = linked = socket.socket()
     try:
         real = socket.create_connection(address)
         real.sendall(token + struct.pack("!II", 1, 4242))
-        sock, rank, pid = links.get(timeout=5.0)  # through at once, whatever waits beside it
+        linked, rank, pid = links.get(timeout=5.0)  # through at once, whatever waits beside it
         assert (rank, pid) == (1, 4242)
-        sock.sendall(b"ok")
+        linked.sendall(b"ok")
         assert real.recv(2) == b"ok"
         assert threading.active_count() <= before + 2  # the accepting thread (and the link's, ending)
         wrong.settimeout(5.0)
@@ -625,7 +626,7 @@ def test_idle_connections_to_the_link_listener_hold_no_thread_and_cannot_keep_a_
         assert links.empty()
         assert threading.active_count() <= before + 1
     finally:
-        for sock in [*idle, wrong, real, sock]:
+        for sock in [*idle, wrong, real, linked]:
             sock.close()
         listener.close()
         accepting.join(5.0)
