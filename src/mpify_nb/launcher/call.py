@@ -109,7 +109,7 @@ class Call(WatchedCall):
     # -- the whole call ------------------------------------------------------------------
 
     def run(self, packed: payload.PackedCall, fn, args, kwargs, ctx) -> list:
-        with own_rank.process_claimed(self.caller_rank is not None):
+        with own_rank.process_claimed(self.caller_rank is not None), interrupts.presses.during_call():
             if self.own.on_main_thread:
                 interrupts.install()
             else:
@@ -160,10 +160,11 @@ class Call(WatchedCall):
             return values
         except KeyboardInterrupt as e:
             self.outcome.interrupted = True
-            where = self._where_they_were()
-            if where and not e.args:
-                raise KeyboardInterrupt(f"every rank was stopped; where they were: {where}") from None
-            raise
+            if e.args:
+                raise
+            where = self._where_they_were()  # "" before the first look at the ranks
+            raise KeyboardInterrupt("every rank was stopped" + (f"; where they were: {where}" if where else "")) \
+                from None
         finally:
             self.finished = True
             self.watch.end()

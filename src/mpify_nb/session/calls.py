@@ -64,7 +64,7 @@ class SessionCalls(SessionRecovery):
             timeout = self.timeout
         check_timeout(timeout)
         targets = self._targets(ranks)
-        with self._call_lock:
+        with self._call_lock, interrupts.presses.during_call():
             self._check_open()
             self._notice_deaths()
             dead = [self._members[r] for r in targets if not self._members[r].alive]
