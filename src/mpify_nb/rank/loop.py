@@ -32,7 +32,6 @@ nothing it started left behind) is in rank/process.py.
 from __future__ import annotations
 
 import faulthandler
-import io
 import os
 import pickle
 import socket
@@ -65,7 +64,8 @@ def main(channel_fd: int, expected_parent: int) -> None:
     except OSError:
         pass
     channel = socket.socket(fileno=channel_fd)
-    _line_buffered_stdio()
+    process.line_buffered_stdio()
+    process.keep_stdio()
     faulthandler.enable()  # a segfault prints the Python stack to stderr, which the caller relays
     rank = "?"
     try:
@@ -98,6 +98,7 @@ def serve(channel: socket.socket, state: RankState, requests: dict[bytes, contro
             process.end(0)  # the caller closed the session
         data, fds = message
         kind, req_id, body = unpack(data)
+        process.restore_stdio()  # the last request's code may have closed its stdout
         state.begin(req_id)
         request = requests.get(kind)
         if request is None:
@@ -248,21 +249,6 @@ def _report_imports(channel, req: int) -> None:
             control.send(channel, pack(IMPORTED, req, pickle.dumps(news)))
     except Exception:
         pass  # only a speed-up is lost
-
-
-def _line_buffered_stdio() -> None:
-    # Each write goes straight to the pipe, so output is live and partial lines
-    # (print(..., end="")) are not held back until exit.
-    for name, fd in (("stdout", 1), ("stderr", 2)):
-        stream = io.TextIOWrapper(
-            io.FileIO(fd, "w", closefd=False),
-            encoding="utf-8",
-            errors="backslashreplace",
-            line_buffering=True,
-            write_through=True,
-        )
-        setattr(sys, name, stream)
-        setattr(sys, f"__{name}__", stream)
 
 
 if __name__ == "__main__":  # the spawn path: python -c "...main(fd, ppid)"
