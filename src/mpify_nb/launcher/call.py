@@ -50,7 +50,7 @@ from ..engine import core, interrupts, members
 from ..relay.pipes import OutputRelay
 from ..start import environ, placement, template
 from ..torchdist import waits
-from ..wire import framing, payload
+from ..wire import framing, payload, shm
 from ..wire.errors import RankError, RemoteFailure, safe_str
 from ..wire.protocol import CALL, DONE, FAIL, GO, IMPORTED, READY, pack
 from . import own_rank
@@ -124,7 +124,7 @@ class Call(WatchedCall):
         if state.environ is not None:
             environ.set_caller_environ(state.environ)  # os.environ is rank 0's until restore()
         relay = self.engine.relay
-        garbage = payload.garbage_mark()
+        garbage = shm.garbage_mark()
         values: list = [None] * self.nprocs
         watcher: Optional[threading.Thread] = None
         placer = placement.get_placer()
@@ -156,7 +156,7 @@ class Call(WatchedCall):
             self._judge_returned()
             for r in self.ranks.values():
                 values[r.rank], r.value = r.value, None  # the user's now: theirs to drop
-            payload.drop_import_garbage(garbage)
+            shm.drop_import_garbage(garbage)
             return values
         except KeyboardInterrupt as e:
             self.outcome.interrupted = True

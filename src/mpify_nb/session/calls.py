@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import Any, Callable, Optional, Union
 
 from ..engine import interrupts
-from ..wire import payload
+from ..wire import payload, shm
 from ..wire.errors import RankError, RankExitedError, SessionClosedError, merge_rank_errors
 from ..wire.protocol import COMM, DONE, NO_REQUEST
 from .ranks import Member, failure_of
@@ -78,7 +78,7 @@ class SessionCalls(SessionRecovery):
             with self._flag_lock:
                 self._current, self._interrupt_asked = req, False
             restore = interrupts.take_sigint(self._on_sigint, self)
-            garbage = payload.garbage_mark()
+            garbage = shm.garbage_mark()
             # a per-rank view takes the ranks' streams (magics/views.py)
             self._engine.relay.retarget(sys.stdout, sys.stderr, getattr(display, "rank_streams", None))
             self._engine.user_waits.prompter = None  # made at the first prompt: most calls have none
@@ -90,7 +90,7 @@ class SessionCalls(SessionRecovery):
                 if len(members) < len(self._members):
                     self._engine.watch.soon()  # ranks outside the call: a collective may wait for them
                 values = self._wait(members, req, timeout)
-                payload.drop_import_garbage(garbage)
+                shm.drop_import_garbage(garbage)
                 return values
             except RankError as e:
                 self.last_error = e
