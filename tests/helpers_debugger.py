@@ -157,6 +157,7 @@ class DebugFrontend(KernelFrontend):
         self._seq = 0
         self.info: dict = {}
         self.paths: set[str] = set()  # cells with breakpoints set
+        self.replies: list[tuple[str, float, dict]] = []  # every debug_request: command, seconds, reply
 
     # -- IOPub ---------------------------------------------------------------------------------
 
@@ -234,14 +235,17 @@ class DebugFrontend(KernelFrontend):
     # -- the debugger ------------------------------------------------------------------------
 
     def dap(self, command: str, timeout: float = DAP_TIMEOUT, **arguments: Any) -> dict:
-        """One debug_request; its debug_reply's content."""
+        """One debug_request; its debug_reply's content (each noted in ``replies``: the command,
+        how long its reply took, the reply)."""
         self._seq += 1
         content = {"type": "request", "seq": self._seq, "command": command, "arguments": arguments}
         msg = self.kc.session.msg("debug_request", content)
+        start = time.monotonic()
         self.kc.control_channel.send(msg)
         reply = _first(self.kc.control_channel.get_msg,
                        lambda reply: reply["parent_header"].get("msg_id") == msg["header"]["msg_id"],
                        timeout, lambda: f"no reply to {command} {arguments} within {timeout} s")
+        self.replies.append((command, time.monotonic() - start, reply["content"]))
         return reply["content"]
 
     def enable(self) -> dict:
@@ -359,3 +363,41 @@ class LabPanel:
                 self.stopped.remove(thread)
             self.frames, self.scopes = [], {}
         return self.front.dap(command, threadId=self.current())
+
+
+class VSCodePanel(LabPanel):
+    """VS Code's Jupyter debugger, as it drives the same transport: after every ``stopped`` it
+    asks for ``threads`` first, then the stopped thread's stack (the top frame, then the rest),
+    scopes and variables; it remembers every thread it saw stop and continues each of them."""
+
+    def __init__(self, front: DebugFrontend):
+        super().__init__(front)
+        self.threads: dict[int, str] = {}
+
+    def handle(self, event: dict) -> None:
+        name, body = event.get("event"), event.get("body", {})
+        if name == "stopped":
+            reply = self.front.dap("threads")
+            assert reply["success"], reply
+            self.threads = {t["id"]: t["name"] for t in reply["body"]["threads"]}
+            if body["threadId"] not in self.stopped:
+                self.stopped.append(body["threadId"])
+            self.refresh_thread(body["threadId"])
+        elif name == "continued":
+            if body.get("allThreadsContinued"):
+                self.stopped = []
+            elif body.get("threadId") in self.stopped:
+                self.stopped.remove(body["threadId"])
+            self.frames, self.scopes = [], {}
+
+    def refresh_thread(self, thread: int) -> None:
+        top = self.front.dap("stackTrace", threadId=thread, startFrame=0, levels=1)
+        if not top.get("success"):
+            self.frames = []
+            return
+        rest = self.front.dap("stackTrace", threadId=thread, startFrame=1, levels=19)
+        self.frames = top["body"]["stackFrames"] + (rest["body"]["stackFrames"] if rest.get("success") else [])
+        self.scopes = {}
+        for scope in self.front.dap("scopes", frameId=self.frames[0]["id"])["body"]["scopes"]:
+            variables = self.front.dap("variables", variablesReference=scope["variablesReference"])
+            self.scopes[scope["name"]] = {v["name"]: v["value"] for v in variables["body"]["variables"]}

@@ -528,3 +528,60 @@ def test_interrupt_stops_a_call_running_on_another_thread(caller_rank, tmp_path,
     assert len(outcome) == 1 and isinstance(outcome[0], KeyboardInterrupt), outcome
     assert_gone([ident for ident in found.values() if ident[0] != os.getpid()], timeout=NO_HANG)
     assert_next_call_works()
+
+
+# -- killed by hand, or by the OOM killer: the cgroup's count says (issue 35) ---------------------
+
+def _fake_cgroup(tmp_path, version: int, count: int) -> tuple[str, str, str]:
+    """A /proc/<pid>/cgroup and a cgroup tree, as Linux lays them out: (proc, root, counter file)."""
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "77").mkdir(parents=True)
+    if version == 2:
+        (proc / "77" / "cgroup").write_text("0::/user.slice/notebook.scope\n")
+        counter = root / "user.slice" / "notebook.scope" / "memory.events"
+        text = f"low 0\nhigh 0\nmax 12\noom 3\noom_kill {count}\noom_group_kill 0\n"
+    else:
+        (proc / "77" / "cgroup").write_text("12:pids:/docker/abc\n4:memory:/docker/abc\n1:name=systemd:/docker/abc\n")
+        counter = root / "memory" / "docker" / "abc" / "memory.oom_control"
+        text = f"oom_kill_disable 0\nunder_oom 0\noom_kill {count}\n"
+    counter.parent.mkdir(parents=True)
+    counter.write_text(text)
+    return str(proc), str(root), str(counter)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_cgroups_oom_count_tells_the_oom_killer_from_a_signal(tmp_path, version):
+    from mpify_nb.start.oom import OomWatch
+
+    proc, root, counter = _fake_cgroup(tmp_path, version, 2)
+    watch = OomWatch(77, proc, root)  # the rank starts
+    assert watch.counter is not None and watch.counter.path == counter and watch.before == 2
+    name = os.path.basename(counter)
+    assert watch.cause() == ("killed by a signal sent by hand or by another process, not the OOM killer: its "
+                             f"cgroup's oom_kill count ({name}) stayed at 2")
+    with open(counter) as f:
+        text = f.read()
+    with open(counter, "w") as f:
+        f.write(text.replace("oom_kill 2", "oom_kill 3"))  # the OOM killer struck while it ran
+    cause = watch.cause()
+    assert cause.startswith(f"by the out-of-memory killer: its cgroup's oom_kill count ({name}) rose from 2 to 3 "
+                            "while it ran"), cause
+    error = RankExitedError(1, -signal.SIGKILL, killed_by=cause)
+    assert str(error) == f"rank 1 was killed by SIGKILL ({cause})"
+    # no memory cgroup to read: nothing claimed either way
+    assert OomWatch(77, proc, str(tmp_path / "nowhere")).cause() == ""
+    assert str(RankExitedError(1, -signal.SIGKILL)) == \
+        "rank 1 was killed by SIGKILL (killed by hand, or by the kernel's out-of-memory killer)"
+
+
+def test_a_rank_killed_by_hand_is_said_to_be_not_the_oom_killer(tmp_path):
+    from mpify_nb.start.oom import OomKills
+
+    if OomKills.of(os.getpid()) is None:
+        pytest.skip("no memory cgroup's oom_kill count can be read here")
+    with pytest.raises(RankExitedError) as info:
+        mpify_nb.ranch(3, hr.die_on, 1, "sigkill", str(tmp_path), 60)
+    message = str(info.value)
+    assert message.startswith("rank 1 was killed by SIGKILL (killed by a signal sent by hand or by another "
+                              "process, not the OOM killer: its cgroup's oom_kill count ("), message
+    assert_next_call_works()

@@ -8,6 +8,7 @@ nested containers; and what cannot travel is refused with an error that names it
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 
@@ -363,3 +364,82 @@ def test_datetime64_and_timedelta64_arrays_travel_both_ways_through_shared_memor
         assert a.dtype == arrays[name].dtype and np.array_equal(a, arrays[name]), name
     assert returned["grid"].flags.f_contiguous
     assert str(returned["stamps"][-1]) == "2048-10-25T07:00:00.000000000"
+
+
+# -- a result's shared memory goes with the result (issue 35) -----------------------------------
+
+#: A module whose import leaves cyclic garbage holding a frame, as many libraries' imports do (a
+#: frame kept in a local of itself); imported first by the unpickling of a result, that frame's
+#: callers (the unpickler, the call, the value) stayed alive with it until the collector ran.
+_FRAMEFUL = """
+import sys
+
+
+class Box:
+    def __init__(self, value):
+        self.value = value
+
+
+def _look():
+    here = sys._getframe()  # refers to itself through its locals: garbage with a cycle, once returned
+
+
+_look()
+"""
+
+#: A fresh process, its cyclic collector off: a result's memfd must be unmapped the moment the user
+#: drops it. Before: ranch's result stayed in a cycle (the call, its engine, their bound handlers),
+#: and a value whose unpickling imported a module stayed held by that import's garbage.
+_RELEASED = r"""
+import gc, os, sys
+gc.disable()
+
+def mapped():
+    with open("/proc/self/maps") as f:
+        return sum("mpify_nb-tensor" in line for line in f)
+
+def held():
+    return sum("mpify_nb-tensor" in os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+               if os.path.exists(f"/proc/self/fd/{fd}"))
+
+def big():
+    import os, torch
+    return torch.full((4 << 20,), float(os.environ["RANK"])) if os.environ["RANK"] == "1" else None
+
+from mpify_nb import Session, ranch
+seen = []
+value = ranch(2, big)
+seen.append(("ranch", float(value[1][0]), mapped() > 0))
+del value
+seen.append(("ranch, dropped", mapped(), held()))
+with Session(2) as s:
+    s.run("import frameful, torch\nb = frameful.Box(torch.full((4 << 20,), 1.5))\nt = torch.full((4 << 20,), 2.5)")
+    assert "frameful" not in sys.modules  # the first unpickling here imports it
+    for what in ("b", "t"):
+        value = s.pull(what, rank=1)
+        seen.append((what, float((value.value if what == "b" else value)[0]), mapped() > 0))
+        del value
+        seen.append((what + ", dropped", mapped(), held()))
+    value = s.run("t", ranks=[0, 1])
+    del value
+    seen.append(("run, dropped", mapped(), held()))
+value = ranch(2, big)  # a warm call: nothing imported
+del value
+seen.append(("ranch again, dropped", mapped(), held()))
+print(seen)
+"""
+
+
+def test_a_results_shared_memory_is_released_when_the_user_drops_it_gc_off(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "frameful.py").write_text(_FRAMEFUL)
+    env = dict(os.environ, MPIFY_NB_PREWARM="1")
+    out = subprocess.run([sys.executable, "-c", _RELEASED], capture_output=True, text=True, env=env, timeout=300,
+                         cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == str([
+        ("ranch", 1.0, True), ("ranch, dropped", 0, 0), ("b", 1.5, True), ("b, dropped", 0, 0),
+        ("t", 2.5, True), ("t, dropped", 0, 0), ("run, dropped", 0, 0), ("ranch again, dropped", 0, 0)]), \
+        out.stdout + out.stderr[-2000:]

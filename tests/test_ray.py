@@ -579,3 +579,55 @@ def _log_tails(pattern: str) -> str:
         with open(path, errors="replace") as f:
             tails.append(f"\n--- {os.path.basename(path)} ---\n" + f.read()[-1500:])
     return "".join(tails)
+
+
+def test_idle_connections_to_the_link_listener_hold_no_thread_and_cannot_keep_a_rank_out(monkeypatch):
+    """Issue 35: the listener is on the node's network address; it started a thread per
+    connection and held it up to 10 s before checking the token (677 idle connections from
+    another user took a notebook from 37 to 508 threads). Now a connection gets a thread only
+    once its token checked out, at most PENDING_MAX wait for their hello, each for HELLO_TIMEOUT."""
+    import hmac
+    import queue
+    import secrets
+    import socket
+    import struct
+
+    from mpify_nb.start.ray_ranks import link
+
+    monkeypatch.setattr(link, "HELLO_TIMEOUT", 1.0)
+    token = secrets.token_bytes(32)
+    links: queue.Queue = queue.Queue()
+    listener = socket.create_server(("127.0.0.1", 0), backlog=1024)
+    address = listener.getsockname()
+    before = threading.active_count()
+    accepting = threading.Thread(target=link.accept_links, daemon=True, args=(
+        listener, lambda t: hmac.compare_digest(t, token), lambda sock, t, rank, pid: links.put((sock, rank, pid))))
+    accepting.start()
+    idle = [socket.create_connection(address) for _ in range(300)]
+    for sock in idle[:10]:
+        sock.sendall(token[:20])  # half a hello, and no more
+    wrong = socket.create_connection(address)
+    wrong.sendall(secrets.token_bytes(32) + struct.pack("!II", 0, 1))
+    real = linked = socket.socket()
+    try:
+        real = socket.create_connection(address)
+        real.sendall(token + struct.pack("!II", 1, 4242))
+        linked, rank, pid = links.get(timeout=5.0)  # through at once, whatever waits beside it
+        assert (rank, pid) == (1, 4242)
+        linked.sendall(b"ok")
+        assert real.recv(2) == b"ok"
+        assert threading.active_count() <= before + 2  # the accepting thread (and the link's, ending)
+        wrong.settimeout(5.0)
+        assert wrong.recv(1) == b""  # refused at once
+        # every idle connection is closed within HELLO_TIMEOUT (PENDING_MAX at most held meanwhile)
+        for sock in idle:
+            sock.settimeout(5.0)
+            assert sock.recv(1) == b""
+        assert links.empty()
+        assert threading.active_count() <= before + 1
+    finally:
+        for sock in [*idle, wrong, real, linked]:
+            sock.close()
+        listener.close()
+        accepting.join(5.0)
+    assert not accepting.is_alive()  # a closed listener ends it

@@ -637,3 +637,19 @@ def test_the_stop_button_during_close_leaves_nothing_open(sigint_handler):
         assert s.closed and gone(idents)
         assert open_fds() == before, delay
     assert interrupted == 4
+
+
+def test_a_cell_that_closes_a_ranks_stdout_leaves_the_next_cell_printing(session, capsys):
+    """Issue 35: after ``os.close(1)`` on a rank, every later print there failed until a restart."""
+    session.run("import os, sys")
+    session.run("os.close(1)\nos.close(2)", ranks=[1])
+    assert session.run("print('back', rank)\nprint('err', rank, file=sys.stderr)\nrank") == {0: 0, 1: 1}
+    out, err = capsys.readouterr()
+    assert sorted(out.splitlines()) == ["[rank 0] back 0", "[rank 1] back 1"]
+    assert sorted(err.splitlines()) == ["[rank 0] err 0", "[rank 1] err 1"]
+    # Python's streams closed, or fd 1 pointed elsewhere: the next cell prints to the notebook too
+    session.run("sys.stdout.close()\nsys.stderr.close()", ranks=[1])
+    session.run("print('again', rank)", ranks=[1])
+    session.run("os.dup2(os.open(os.devnull, os.O_WRONLY), 1)", ranks=[1])
+    session.run("print('and again', rank)\nos.system('echo from a child')", ranks=[1])
+    assert capsys.readouterr().out == "[rank 1] again 1\n[rank 1] and again 1\n[rank 1] from a child\n"

@@ -175,3 +175,35 @@ def test_a_peer_failing_while_the_notebook_imports_torch_dynamo(notebook):
 
     assert nbutil.stream_text(cells[0]) == "failed: 1 ValueError\nwhole: True\n"
     assert nbutil.stream_text(cells[1]) == "[('module', 0, 3.0), ('module', 1, 3.0)]\n"
+
+
+# -- the stop button pressed again and again (issue 35) -----------------------------------------
+
+def test_the_stop_button_pressed_five_times_within_50_ms_gives_one_clear_message(tmp_path):
+    """In 5 runs of 6 the cell showed a bare ``KeyboardInterrupt`` (a repeat press raised in the
+    middle of the call's stop, or in IPython's own traceback printing: an AssertionError in
+    ultratb; once the cell never got its reply). A real kernel, the frontend's interrupt x5."""
+    import time
+
+    from helpers_debugger import DebugFrontend
+
+    front = DebugFrontend(str(tmp_path))
+    try:
+        front.ok("from mpify_nb import ranch\nimport time\nkept = 41\n"
+                 "def work():\n    time.sleep(60)\n    return 1")
+        assert front.ok("ranch(2, lambda: 7)").results == ["[7, 7]"]
+        for _ in range(4):
+            cell = front.start("ranch(2, work)")
+            time.sleep(1.0)
+            for _ in range(5):
+                front.km.interrupt_kernel()
+                time.sleep(0.01)
+            cell = front.finish(cell, timeout=NO_HANG)
+            assert cell.ename == "KeyboardInterrupt", cell
+            last = cell.traceback.strip().splitlines()[-1]
+            assert last == "KeyboardInterrupt: every rank was stopped" or \
+                last.startswith("KeyboardInterrupt: every rank was stopped; where they were: rank 0 at "), cell
+            assert "KeyboardInterrupt" not in cell.stderr, cell  # nothing raised beside it
+            assert front.ok("kept + 1").results == ["42"]
+    finally:
+        front.close()

@@ -127,3 +127,67 @@ def test_a_call_that_must_start_a_template_stops_the_preload_beside_it(monkeypat
             candidate._proc.wait()
     assert candidate.how_it_ended().startswith(
         "killed by SIGKILL: this process killed it (a variable read at import time changed")
+
+
+# -- nothing left to be reaped by PID 1 (issue 35) -----------------------------------------------
+
+#: Stands in for a container's PID 1 that never reaps: a subreaper, so whatever the notebook process
+#: leaves behind is re-parented to it; it reports (without reaping) every child it got besides the
+#: notebook, once nothing has come for a second.
+_REAPER = r"""
+import ctypes, os, subprocess, sys, time
+ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+notebook = subprocess.Popen([sys.executable, "-c", sys.argv[1]])
+notebook.wait()
+assert notebook.returncode == 0, notebook.returncode
+
+def adopted():
+    found = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/children") as f:
+            found += [int(p) for p in f.read().split()]
+    out = []
+    for pid in found:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        out.append((stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2]))
+    return sorted(out)
+
+last, quiet_since = None, time.monotonic()
+while time.monotonic() - quiet_since < 1.0:
+    now = adopted()
+    if now != last:
+        last, quiet_since = now, time.monotonic()
+    time.sleep(0.05)
+print("ADOPTED", last)
+"""
+
+#: A notebook that ends with its template warm, a Session's ranks alive in it, a ranch call done.
+_NOTEBOOK = r"""
+import mpify_nb
+from mpify_nb import Session, ranch
+
+def rank():
+    import os
+    return int(os.environ["RANK"])
+
+assert ranch(2, rank) == [0, 1]
+session = Session(2)
+assert session.run("rank") == {0: 0, 1: 1}
+"""
+
+
+def test_a_notebook_that_ends_leaves_nothing_for_pid_1_to_reap(tmp_path):
+    """Issue 35: ``[mpify_nb-tmpl] <defunct>`` was left behind after the test suite, adopted by
+    PID 1 (which, in a container, may never reap it): the notebook process ended without waiting
+    for its template, which ended after it; the template itself left the ranks it killed to PID 1."""
+    import subprocess
+
+    env = dict(os.environ, MPIFY_NB_PREWARM="1")
+    out = subprocess.run([sys.executable, "-c", _REAPER, _NOTEBOOK], capture_output=True, text=True, env=env,
+                         timeout=NO_HANG, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "ADOPTED []", out.stdout + out.stderr[-3000:]

@@ -19,20 +19,25 @@ every rank, the answers merged; anything else is the kernel's, as before::
                                JupyterLab's continue names thread 1 whichever thread stopped)
     disconnect                 last                                  breakpoints cleared, let go
 
-Waits for ranks run in a worker thread (the control loop stays free for the kernel's own debugpy)
-and never outlast links.ANSWER_TIMEOUT per request: a rank that does not answer gets an error.
+Waits for ranks run on a thread of their own that the kernel's own debugpy never suspends (the
+control loop stays free for the kernel's debugpy meanwhile; a pool's worker would be stopped with
+the kernel at a breakpoint, and the panel with it), and share one deadline per request
+(links.REPLY_WITHIN): a rank that does not answer in time gets an error, a rank still starting its
+debugger is attached on in the background.
 """
 
 from __future__ import annotations
 
 import ast
 import asyncio
+import contextvars
 import json
 import os
+import time
 from typing import Any, Callable, Optional
 
 from .ids import FRAME, THREAD, VARIABLE
-from .links import ANSWER_TIMEOUT, RankLink
+from .links import ANSWER_TIMEOUT, REPLY_WITHIN, RankLink, untraced_thread
 from .ranks import RankSide
 
 #: Requests that resume a thread.
@@ -42,6 +47,8 @@ _HIDDEN = frozenset({"__name__", "__doc__", "__package__", "__loader__", "__spec
                      "__builtins__", "__builtin__", "__display__", "get_ipython", "debugpy", "exit", "quit",
                      "In", "Out", "_oh", "_dh", "_", "__", "___"})
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: When the request being answered must be answered by (time.monotonic()).
+_reply_by: contextvars.ContextVar[float] = contextvars.ContextVar("mpify_nb_debug_reply_by")
 
 
 def visible(name: str) -> bool:
@@ -81,14 +88,51 @@ class Hub(RankSide):
         """Answer one debug_request from the frontend (ipykernel's ``do_debug_request``)."""
         command = request.get("command", "")
         special = getattr(self, "_on_" + command, None)
-        return await special(request) if special is not None else await self._by_ids(request)
+        token = _reply_by.set(time.monotonic() + REPLY_WITHIN)
+        try:
+            return await special(request) if special is not None else await self._by_ids(request)
+        finally:
+            _reply_by.reset(token)
+
+    @staticmethod
+    def _left() -> float:
+        """Seconds the ranks may still take for the request being answered."""
+        return min(ANSWER_TIMEOUT, max(0.0, _reply_by.get(time.monotonic() + REPLY_WITHIN) - time.monotonic()))
 
     async def _kernel(self, request: dict) -> dict:
-        return await self.kernel_debugger.process_request(request)
+        """The kernel's own debugger's answer. Where it raises (ipykernel's ``variables`` with a
+        reference its debugpy no longer knows, say), the failure is the answer: ipykernel would
+        send no reply at all, and the frontend's panel would wait for one forever."""
+        try:
+            return await self.kernel_debugger.process_request(request)
+        except Exception as e:
+            return reply(request, False, message=f"the kernel's debugger could not answer "
+                                                 f"{request.get('command', '')!r}: {type(e).__name__}: {e}")
 
     async def _blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn`` on a worker thread: the control loop stays free meanwhile."""
-        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        """``fn(*args)`` on a thread the kernel's debugpy never suspends; the control loop stays
+        free meanwhile."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def settle(result: Any, error: Optional[BaseException]) -> None:
+            if done.done():
+                return
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(result)
+
+        def work() -> None:
+            try:
+                result = fn(*args)
+            except BaseException as e:  # handed to the request's coroutine, which answers with it
+                loop.call_soon_threadsafe(settle, None, e)
+            else:
+                loop.call_soon_threadsafe(settle, result, None)
+
+        untraced_thread(work, "mpify_nb-debugger-wait").start()
+        return await done
 
     async def _ask(self, link: RankLink, request: dict, command: Optional[str] = None,
                    arguments: Optional[dict] = None) -> dict:
@@ -100,7 +144,7 @@ class Hub(RankSide):
             if arguments is None:
                 return reply(request, False, message="this id is stale: the rank ran on since")
         pending = link.send(command, arguments)
-        await self._blocking(self.waiter.wait, [pending], ANSWER_TIMEOUT)
+        await self._blocking(self.waiter.wait, [pending], self._left())
         why = pending.failure()
         if why:
             return reply(request, False, message=why)
@@ -159,7 +203,7 @@ class Hub(RankSide):
         answer = await self._kernel(request)
         if answer.get("success"):
             self.attached = True
-            failures = await self._blocking(self.attach_all)
+            failures = await self._blocking(self.attach_all, self._left())
             if failures:
                 answer = dict(answer, message="; ".join(failures))
         return answer
@@ -167,11 +211,15 @@ class Hub(RankSide):
     async def _on_disconnect(self, request: dict) -> dict:
         if self.attached:
             self.attached = False
-            await self._blocking(self.detach_all)
+            await self._blocking(self.detach_all, self._left())
         with self._lock:
             self._breakpoints.clear()
             self._other_setup.clear()
-        return await self._kernel(request)
+        answer = await self._kernel(request)
+        # the kernel's debugpy lets its threads go without a continued event: none is stopped now
+        # (a continue sent to a thread it believes stopped would never be answered)
+        self.threads.resume(self.threads.stopped(None))
+        return answer
 
     async def _on_dumpCell(self, request: dict) -> dict:
         answer = await self._kernel(request)
@@ -217,17 +265,17 @@ class Hub(RankSide):
         """``command`` on every attached rank; why some failed."""
         pendings = [link.send(command, arguments) for link in self.links()]
         if pendings:
-            await self._blocking(self.waiter.wait, pendings, ANSWER_TIMEOUT)
+            await self._blocking(self.waiter.wait, pendings, self._left())
         return [p.failure() for p in pendings if p.failure()]
 
     async def _on_threads(self, request: dict) -> dict:
         if self.attached:
-            await self._blocking(self.attach_all)  # ranks started since the frontend attached
+            await self._blocking(self.attach_all, self._left() / 2)  # ranks started since the frontend attached
         links = self.links()
         pendings = [link.send("threads") for link in links]
         kernel = await self._kernel(request)
         if pendings:
-            await self._blocking(self.waiter.wait, pendings, ANSWER_TIMEOUT)
+            await self._blocking(self.waiter.wait, pendings, self._left())
         threads: list[dict] = []
         for pending in pendings:
             if pending.answer is None or not pending.answer.get("success"):
@@ -294,7 +342,7 @@ class Hub(RankSide):
             return reply(request, False, message=f"thread {thread} is not stopped: only a stopped thread steps")
         targets = [thread] if single else stopped + ([thread] if thread not in stopped else [])
         # one request per debugger: the kernel's own, or a rank's (each with its own thread id)
-        kernel_threads = [t for t in targets if not self.ids.is_rank(t)]
+        kernel_threads = [t for t in targets if not self.ids.is_rank(t) and self._kernel_stopped(t)]
         by_link: dict[int, tuple[RankLink, int]] = {}
         for t in targets:
             found = self.ids.to_local(THREAD, t)
@@ -313,7 +361,7 @@ class Hub(RankSide):
             if not answer.get("success"):
                 failures.append(f"kernel: {answer.get('message') or command + ' failed'}")
         if pendings:
-            await self._blocking(self.waiter.wait, pendings, ANSWER_TIMEOUT)
+            await self._blocking(self.waiter.wait, pendings, self._left())
             failures += [p.failure() for p in pendings if p.failure()]
         if single:
             self.threads.republish_latest()
@@ -321,6 +369,12 @@ class Hub(RankSide):
         if failures:
             return reply(request, False, body, "; ".join(failures))
         return reply(request, True, body)
+
+    def _kernel_stopped(self, thread: Any) -> bool:
+        """Does the kernel's own debugger hold ``thread`` (its debugpy answers a resume of a
+        thread that runs never, and every request after it would wait)?"""
+        known = getattr(self.kernel_debugger, "stopped_threads", None)
+        return thread in known if known is not None else self.threads.is_stopped(thread)
 
     def _stopped(self, thread: Any) -> bool:
         """Is ``thread`` stopped? A kernel's thread also when its own debugger says so (debugpy

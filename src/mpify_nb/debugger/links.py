@@ -22,17 +22,37 @@ import itertools
 import json
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, TypeVar
 
 from ..engine.core import Engine
 from ..engine.members import Member
 from ..rank.debugger import DEBUG
 from ..wire.protocol import NO_REQUEST
 
-#: How long a rank gets to answer one request.
+#: How long a rank gets to answer one request, at most (a request's own time left bounds it first).
 ANSWER_TIMEOUT = 5.0
+#: Every request of the frontend is answered within this, whatever a rank does or the kernel's
+#: own debugger holds stopped (the frontend's panel waits for each reply before the next request).
+REPLY_WITHIN = 4.0
 #: How long a rank gets to start its debugger and take the frontend's setup (it imports debugpy).
 ATTACH_TIMEOUT = 30.0
+
+
+def untraced_thread(target: Callable[[], None], name: str) -> threading.Thread:
+    """A daemon thread (not started) that the kernel's own debugpy never traces nor suspends,
+    as ipykernel's control thread: when a breakpoint stops the kernel, debugpy suspends every
+    other thread it traces, and a wait for the ranks on such a thread would never end (the
+    panel wedged: every later request queues behind it on the control channel)."""
+    return untraced(threading.Thread(target=target, name=name, daemon=True))
+
+
+T = TypeVar("T", bound=threading.Thread)
+
+
+def untraced(thread: T) -> T:
+    """``thread``, not started yet, marked as one of debugpy's own: never traced, never suspended."""
+    vars(thread).update(pydev_do_not_trace=True, is_pydev_daemon_thread=True)
+    return thread
 
 
 class Pending:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 import weakref
 from typing import Any, Callable
 
@@ -25,7 +26,7 @@ from ..engine.core import Engine
 from ..engine.members import Member
 from ..wire import payload
 from .ids import FRAME, THREAD, VARIABLE, Ids
-from .links import ANSWER_TIMEOUT, ATTACH_TIMEOUT, Pending, RankLink, Waiter
+from .links import ANSWER_TIMEOUT, ATTACH_TIMEOUT, Pending, RankLink, Waiter, untraced_thread
 from .threads import Threads
 
 
@@ -101,17 +102,22 @@ class RankSide:
     def attach(self, engine: Engine, m: Member) -> str:
         """Start rank ``m``'s debugger with the frontend's setup; '' or why it could not."""
         link = self._link(engine, m)
-        with self._lock:
-            if link.state == "attached":
-                return ""
-            if link.state == "attaching":
-                busy = True
-            else:
-                busy, link.state = False, "attaching"
-                link.attaching.clear()
-        if busy:
-            link.attaching.wait(ATTACH_TIMEOUT)
+        if not self._claim(link):
+            if link.state != "attached":
+                link.attaching.wait(ATTACH_TIMEOUT)
             return link.failure
+        return self._attach(link)
+
+    def _claim(self, link: RankLink) -> bool:
+        """Is ``link``'s attach ours to do (it was neither attached nor attaching)?"""
+        with self._lock:
+            if link.state in ("attached", "attaching"):
+                return False
+            link.state = "attaching"
+            link.attaching.clear()
+            return True
+
+    def _attach(self, link: RankLink) -> str:
         pendings = [link.send("initialize", {"clientID": "mpify_nb", "adapterID": "python", "pathFormat": "path",
                                              "linesStartAt1": True, "columnsStartAt1": True,
                                              "supportsVariableType": True, "supportsVariablePaging": True}),
@@ -135,10 +141,25 @@ class RankSide:
         pendings += [link.send(command, arguments) for command, arguments in other.items()]
         return pendings
 
-    def attach_all(self) -> list[str]:
-        """Every live rank of every Session attached; why some could not."""
-        failures = [self.attach(engine, m) for engine, m in self._live_members()]
-        return [why for why in failures if why]
+    def attach_all(self, within: float = ATTACH_TIMEOUT) -> list[str]:
+        """Every live rank of every Session attached, all at once; why some could not. A rank
+        still starting its debugger after ``within`` seconds goes on attaching in the background
+        (a call waits for it first: before_call), and is named."""
+        started: list[RankLink] = []
+        for engine, m in self._live_members():
+            link = self._link(engine, m)
+            if self._claim(link):
+                untraced_thread(lambda link=link: self._attach(link), f"mpify_nb-debugger-attach-{m.rank}").start()
+            if link.state != "attached":
+                started.append(link)
+        deadline = time.monotonic() + within
+        failures = []
+        for link in started:
+            if not link.attaching.wait(max(0.0, deadline - time.monotonic())) or link.state == "attaching":
+                failures.append(f"rank {link.rank} is still starting its debugger")
+            elif link.failure:
+                failures.append(link.failure)
+        return failures
 
     def _before_call(self, engine: Engine, members: list) -> None:
         """A call is about to start (on its thread): ranks that came since (restarted, new)
@@ -153,7 +174,7 @@ class RankSide:
                 if why:  # the cell runs on, without the panel's breakpoints on that rank
                     print(f"[mpify_nb] the debugger could not attach to rank {m.rank}: {why}", file=sys.stderr)
 
-    def detach_all(self) -> None:
+    def detach_all(self, within: float = ANSWER_TIMEOUT) -> None:
         """The frontend turned its debugger off: ranks drop their breakpoints and run on."""
         links = self.links()
         with self._lock:
@@ -171,7 +192,7 @@ class RankSide:
             pendings.append(link.send("mpifyDetach"))
             link.state = "detached"
         self.threads.resume([g for link in links for g in self.threads.stopped(link)])
-        self.waiter.wait(pendings, ANSWER_TIMEOUT)
+        self.waiter.wait(pendings, within)
 
     # -- events -----------------------------------------------------------------------------------
 

@@ -25,6 +25,8 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+from .links import untraced
+
 #: How long stops of other threads wait for the thread the user stepped or continued.
 FOCUS_WAIT = 1.0
 
@@ -105,7 +107,7 @@ class Threads:
             self._focus, self._focus_until = thread, time.monotonic() + FOCUS_WAIT
             if self._timer is not None:
                 self._timer.cancel()
-            self._timer = threading.Timer(FOCUS_WAIT, self._focus_over)
+            self._timer = untraced(threading.Timer(FOCUS_WAIT, self._focus_over))  # the kernel may be stopped
             self._timer.daemon = True
             self._timer.start()
 

@@ -30,11 +30,14 @@ press stops every call.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
+import time
 import weakref
+from collections.abc import Iterator
 from typing import Any, Callable, Protocol
 
 
@@ -47,6 +50,50 @@ class Interruptible(Protocol):
 _running: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
+#: Presses within this long after a call finished stopping repeat the press that stopped it.
+PRESS_REPEAT = 0.5
+
+
+class Presses:
+    """The stop button's presses, as the main thread's SIGINT handlers see them: the first one
+    during a call stops it; the others while it stops (its ranks killed, where they were looked
+    at, the KeyboardInterrupt that says so raised) and within PRESS_REPEAT after it change
+    nothing. Pressed five times within 50 ms, a call stops once and says so once: a repeat
+    raised in the middle of its stop cut the message, its cleanup, or IPython's own traceback
+    printing (an AssertionError in ultratb) short. Main thread only: handlers run there."""
+
+    def __init__(self) -> None:
+        self.calls = 0  # calls running on the main thread now
+        self.acted = False  # a press stopped the one running
+        self.quiet_until = 0.0
+
+    def take(self) -> bool:
+        """In a SIGINT handler: does this press act (False: it repeats one that did)?"""
+        if self.calls:
+            repeat, self.acted = self.acted, True
+            return not repeat
+        return time.monotonic() >= self.quiet_until
+
+    @contextlib.contextmanager
+    def during_call(self) -> Iterator[None]:
+        """A call runs on the main thread meanwhile (elsewhere: nothing to do)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        self.calls += 1
+        try:
+            yield
+        finally:
+            self.calls -= 1
+            if not self.calls:
+                if self.acted:
+                    self.quiet_until = time.monotonic() + PRESS_REPEAT
+                self.acted = False
+
+
+presses = Presses()
+
+
 class _ChainedHandler:
     """Stops our background calls, then does what ``previous`` did."""
 
@@ -54,6 +101,8 @@ class _ChainedHandler:
         self.previous = previous
 
     def __call__(self, signum: int, frame: Any) -> None:
+        if not presses.take():
+            return  # the same press as the one a call is stopping for (or just stopped for)
         interrupt_other_threads()
         previous = self.previous
         if callable(previous):
@@ -132,7 +181,7 @@ def take_sigint(on_sigint: Callable[[], None], call: Interruptible) -> Callable[
     if process_ignores_sigint():
         return lambda: None  # the process ignores SIGINT (nohup, a CI runner): it keeps ignoring it
     try:
-        old = signal.signal(signal.SIGINT, lambda signum, frame: on_sigint())
+        old = signal.signal(signal.SIGINT, lambda signum, frame: on_sigint() if presses.take() else None)
     except ValueError:
         return lambda: None
 

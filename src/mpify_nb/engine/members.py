@@ -36,7 +36,8 @@ class Member:
         """How it died, once it has (its exit code: waited for a little); ``when``: when its
         death was noticed."""
         self.process.wait_gone(2.0)
-        error = RankExitedError(self.rank, self.process.exit_code(timeout=2.0), self.process.death_detail(), hint)
+        error = RankExitedError(self.rank, self.process.exit_code(timeout=2.0), self.process.death_detail(), hint,
+                                killed_by=self.process.sigkill_cause())
         # Before the wait: a peer's echo of this death may be timed within it; and it died up to
         # death_latency before we could see it (a rank on another host: through its link).
         error.when = when - self.process.death_latency

@@ -50,7 +50,7 @@ from ..engine import core, interrupts, members
 from ..relay.pipes import OutputRelay
 from ..start import environ, placement, template
 from ..torchdist import waits
-from ..wire import framing, payload
+from ..wire import framing, payload, shm
 from ..wire.errors import RankError, RemoteFailure, safe_str
 from ..wire.protocol import CALL, DONE, FAIL, GO, IMPORTED, READY, pack
 from . import own_rank
@@ -109,7 +109,7 @@ class Call(WatchedCall):
     # -- the whole call ------------------------------------------------------------------
 
     def run(self, packed: payload.PackedCall, fn, args, kwargs, ctx) -> list:
-        with own_rank.process_claimed(self.caller_rank is not None):
+        with own_rank.process_claimed(self.caller_rank is not None), interrupts.presses.during_call():
             if self.own.on_main_thread:
                 interrupts.install()
             else:
@@ -124,6 +124,7 @@ class Call(WatchedCall):
         if state.environ is not None:
             environ.set_caller_environ(state.environ)  # os.environ is rank 0's until restore()
         relay = self.engine.relay
+        garbage = shm.garbage_mark()
         values: list = [None] * self.nprocs
         watcher: Optional[threading.Thread] = None
         placer = placement.get_placer()
@@ -154,14 +155,16 @@ class Call(WatchedCall):
             self.outcome.raise_if_failed()
             self._judge_returned()
             for r in self.ranks.values():
-                values[r.rank] = r.value
+                values[r.rank], r.value = r.value, None  # the user's now: theirs to drop
+            shm.drop_import_garbage(garbage)
             return values
         except KeyboardInterrupt as e:
             self.outcome.interrupted = True
-            where = self._where_they_were()
-            if where and not e.args:
-                raise KeyboardInterrupt(f"every rank was stopped; where they were: {where}") from None
-            raise
+            if e.args:
+                raise
+            where = self._where_they_were()  # "" before the first look at the ranks
+            raise KeyboardInterrupt("every rank was stopped" + (f"; where they were: {where}" if where else "")) \
+                from None
         finally:
             self.finished = True
             self.watch.end()

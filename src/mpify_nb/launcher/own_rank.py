@@ -161,6 +161,8 @@ class OwnRank:
                 raise stop()
             if ours or self.ignores_user_sigint:
                 return  # our own (a stop on its way, or one that came late), or the process ignores it
+            if not interrupts.presses.take():
+                return  # a repeat of the press that is stopping this call
             interrupts.interrupt_other_threads()  # one press stops every call
             raise KeyboardInterrupt
 

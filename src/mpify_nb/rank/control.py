@@ -42,8 +42,6 @@ class RankState:
         self.rank = rank
         self.request = NO_REQUEST  # the request the main thread runs now
         self.in_user_code = False  # SIGINT raises KeyboardInterrupt only then
-        self.deferring = False  # the user's code sends a message: an interrupt waits for its end
-        self.deferred = False  # an interrupt came meanwhile
         self.main_ident = threading.get_ident()
         self.main_native: Optional[int] = threading.get_native_id()
 
@@ -84,11 +82,27 @@ def before_interrupt(hook: Callable[[], None]) -> None:
         _before_interrupt.append(hook)
 
 
+_SIGINT = {signal.SIGINT}
+
+
 def send(channel: socket.socket, data: bytes, fds=()) -> None:
+    """One frame to the caller, whole, whichever thread sends (a display, an ASK for input).
+    On the main thread an interrupt (INTERRUPT: SIGINT to it) waits until the frame is out: one
+    that cut it between its header and its body would leave the caller a corrupt channel, and the
+    rank lost with its state (pdb's next prompt goes out just as the stop button's interrupt
+    lands). SIGINT is blocked meanwhile; a handler already due runs at framing.send's first
+    line, before a byte is written; KeyboardInterrupt comes right after the frame."""
+    main = threading.current_thread() is threading.main_thread()
+    before = None
     try:
-        framing.send(channel, data, fds)  # whole, whichever thread sends (a display, an ASK for input)
+        if main:
+            before = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGINT)
+        framing.send(channel, data, fds)
     except OSError:
         pass  # the caller is gone; the control thread ends us
+    finally:
+        if main and (before is None or signal.SIGINT not in before):
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGINT)
 
 
 #: This rank's channel to its caller and its state, once its loop runs (to_caller()).

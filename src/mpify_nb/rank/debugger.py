@@ -7,8 +7,9 @@ rank's control channel. The kernel's half, which shows every rank in one debugge
     DEBUG {DAP request} ── control channel ──>      control thread: the first one starts the bridge
                                                     (debugpy is imported then, never earlier: not in
                                                     the template, not in a rank nobody debugs);
-                                                    mpifyWriteCell, mpifyDetach answered here; the
-                                                    rest written to pydevd's end of the socketpair
+                                                    mpifyWriteCell (rank/cell_files.py) and
+                                                    mpifyDetach answered here; the rest written
+                                                    to pydevd's end of the socketpair
                     <── DEBUG {DAP response/event}  bridge thread: what pydevd writes, less the events
                                                     the kernel has no use for (module, process...)
     main thread, before each request that runs user code: arm() traces it while a frontend is
@@ -34,6 +35,7 @@ import time
 from typing import Any, Optional
 
 from ..wire.protocol import NO_REQUEST, claim, pack
+from . import cell_files
 from . import control as rank_control
 
 #: A DAP message, as JSON, either way (kernel <-> rank), on the rank's control channel.
@@ -176,21 +178,6 @@ def _rules() -> list[dict]:
     return [{"path": os.path.join(package, "**"), "include": False}, {"module": "mpify_nb", "include": False}]
 
 
-def _write_cell(path: str, code: str) -> tuple[bool, str]:
-    """The cell's source at ``path`` on this machine (debugpy ignores a breakpoint in a file
-    that does not exist where it runs: a rank on another host has no copy of the kernel's)."""
-    if not os.path.isabs(path) or not path.endswith(".py"):
-        return False, f"not a cell's file: {path!r}"
-    try:
-        if not os.path.exists(path):
-            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(code)
-    except OSError as e:
-        return False, f"could not write {path}: {e}"
-    return True, ""
-
-
 def _on_debug(state: Any, control: socket.socket, req_id: int, body: Any) -> None:
     """A DAP request from the kernel (on the control thread)."""
     global _bridge, _attached
@@ -201,7 +188,7 @@ def _on_debug(state: Any, control: socket.socket, req_id: int, body: Any) -> Non
     command = message.get("command")
     arguments = message.get("arguments") or {}
     if command == "mpifyWriteCell":
-        ok, why = _write_cell(str(arguments.get("path", "")), str(arguments.get("code", "")))
+        ok, why = cell_files.write_cell(str(arguments.get("path", "")), str(arguments.get("code", "")))
         _reply(control, message, ok, why)
         return
     if command == "mpifyDetach":  # the frontend turned its debugger off: cells run untraced again

@@ -32,7 +32,6 @@ nothing it started left behind) is in rank/process.py.
 from __future__ import annotations
 
 import faulthandler
-import io
 import os
 import pickle
 import socket
@@ -65,7 +64,8 @@ def main(channel_fd: int, expected_parent: int) -> None:
     except OSError:
         pass
     channel = socket.socket(fileno=channel_fd)
-    _line_buffered_stdio()
+    process.line_buffered_stdio()
+    process.keep_stdio()
     faulthandler.enable()  # a segfault prints the Python stack to stderr, which the caller relays
     rank = "?"
     try:
@@ -98,6 +98,7 @@ def serve(channel: socket.socket, state: RankState, requests: dict[bytes, contro
             process.end(0)  # the caller closed the session
         data, fds = message
         kind, req_id, body = unpack(data)
+        process.restore_stdio()  # the last request's code may have closed its stdout
         state.begin(req_id)
         request = requests.get(kind)
         if request is None:
@@ -131,7 +132,7 @@ def _one_call(channel: socket.socket, state: RankState, req: int, body: Any, fds
         _send_failure(channel, req, e, f"rank {rank} could not load the call")
         process.end(0)
     p2p.install()  # isend/irecv note their peers for the caller's looks (torch already imported)
-    framing.send(channel, pack(READY, req))
+    control.send(channel, pack(READY, req))
     if framing.recv(channel) is None:  # no GO: the caller gave up (another rank failed to load)
         process.end(0)
     control.install_stdin(channel, state)
@@ -212,7 +213,7 @@ def _returned(channel: socket.socket, state: RankState, req: int) -> None:
     try:
         snap = waits.snapshot_of_return(state.rank)
         if snap is not None:
-            framing.send(channel, pack(RETURNED, req, pickle.dumps(snap)))
+            control.send(channel, pack(RETURNED, req, pickle.dumps(snap)))
     except Exception:
         pass  # only a clearer error is lost
 
@@ -245,24 +246,9 @@ def _report_imports(channel, req: int) -> None:
         news = [(name, getattr(module, "__file__", None)) for name, module in list(sys.modules.items())
                 if name not in _born_with and module is not None]
         if news:
-            framing.send(channel, pack(IMPORTED, req, pickle.dumps(news)))
+            control.send(channel, pack(IMPORTED, req, pickle.dumps(news)))
     except Exception:
         pass  # only a speed-up is lost
-
-
-def _line_buffered_stdio() -> None:
-    # Each write goes straight to the pipe, so output is live and partial lines
-    # (print(..., end="")) are not held back until exit.
-    for name, fd in (("stdout", 1), ("stderr", 2)):
-        stream = io.TextIOWrapper(
-            io.FileIO(fd, "w", closefd=False),
-            encoding="utf-8",
-            errors="backslashreplace",
-            line_buffering=True,
-            write_through=True,
-        )
-        setattr(sys, name, stream)
-        setattr(sys, f"__{name}__", stream)
 
 
 if __name__ == "__main__":  # the spawn path: python -c "...main(fd, ppid)"

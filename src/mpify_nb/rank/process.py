@@ -14,6 +14,8 @@ from (start/template.py). Linux only: ``prctl`` and ``/proc``.
 from __future__ import annotations
 
 import ctypes
+import fcntl
+import io
 import os
 import signal
 import sys
@@ -75,19 +77,25 @@ def kill_descendants(pid: Optional[int] = None, spare: Collection[int] = (), rea
         killed.extend(p for p in found if p not in killed)
         time.sleep(0.001)  # let the kills land before looking again
     if reap:
-        _reap_orphans()
+        _reap_children()
     return killed
 
 
-def _reap_orphans() -> None:
-    # Killed descendants re-parented to us (we are a subreaper) are our zombies now.
+def _reap_children(patience: float = 2.0) -> None:
+    """Reap this process's children (those killed, and orphans re-parented to us: we are a
+    subreaper), waiting up to ``patience`` seconds for a SIGKILL to land: a process about to
+    exit must not leave them to whoever adopts them next (PID 1, which in a container may never
+    reap them: ``<defunct>`` for ever)."""
+    deadline = time.monotonic() + patience
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            return  # none left
         if pid == 0:
-            return
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.001)
 
 
 def _prctl(option: int, arg) -> bool:
@@ -107,6 +115,65 @@ def die_with_parent(expected_parent: int) -> None:
 def set_process_name(name: str) -> None:
     """Name this process in ps/top (comm, 15 bytes), so ranks are easy to tell apart."""
     _prctl(15, ctypes.c_char_p(name.encode()[:15]))  # PR_SET_NAME
+
+
+#: (fd, a copy of it, what it was: (st_dev, st_ino)) for fds 1 and 2: the caller's pipes.
+_stdio_kept: list[tuple[int, int, tuple[int, int]]] = []
+
+
+def line_buffered_stdio() -> None:
+    """``sys.stdout``/``sys.stderr`` written straight to fds 1 and 2: each write goes to the pipe,
+    so output is live and partial lines (``print(..., end="")``) are not held back until exit."""
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        stream = io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
+                                  line_buffering=True, write_through=True)
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+
+
+def keep_stdio() -> None:
+    """Remember where fds 1 and 2 go (the caller's pipes), for ``restore_stdio``."""
+    for fd in (1, 2):
+        try:
+            found = os.fstat(fd)
+            copy = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
+        except OSError:
+            continue
+        _stdio_kept.append((fd, copy, (found.st_dev, found.st_ino)))
+
+
+def restore_stdio() -> None:
+    """Before a request: fds 1 and 2 go to the caller's pipes again, and ``sys.stdout`` and
+    ``sys.stderr`` write there, if the last request's code closed them (``os.close(1)``,
+    ``sys.stdout.close()``) or pointed fd 1 or 2 elsewhere: else every later ``print`` on this
+    rank would fail, or vanish, until it restarts."""
+    for fd, copy, was in _stdio_kept:
+        try:
+            found = os.fstat(fd)
+            if (found.st_dev, found.st_ino) == was:
+                continue
+        except OSError:
+            pass  # closed
+        try:
+            os.dup2(copy, fd, inheritable=True)
+        except OSError:
+            pass
+    if any(getattr(sys, name, None) is None or getattr(sys, name).closed for name in ("stdout", "stderr")) \
+            or any(getattr(sys, f"__{name}__", None) is None or getattr(sys, f"__{name}__").closed
+                   for name in ("stdout", "stderr")):
+        line_buffered_stdio()
+
+
+def _forget_stdio_after_fork() -> None:
+    for _fd, copy, _was in _stdio_kept:  # CLOEXEC: gone at exec; a fork (a DataLoader worker) closes them
+        try:
+            os.close(copy)
+        except OSError:
+            pass
+    _stdio_kept.clear()
+
+
+os.register_at_fork(after_in_child=_forget_stdio_after_fork)
 
 
 def flush_stdio() -> None:

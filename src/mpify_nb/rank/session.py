@@ -37,7 +37,6 @@ import pickle
 import signal
 import socket
 import sys
-import threading
 from typing import Any
 
 from ..wire import payload
@@ -111,26 +110,12 @@ rank_control.on(COMM_ACK, lambda state, control, req_id, body: comms.acked(pickl
 def _on_sigint(state: RankState) -> None:
     if state.in_user_code:
         raise KeyboardInterrupt
-    if state.deferring:
-        state.deferred = True
 
 
 def _send_display(channel: socket.socket, state: RankState, bundle: dict, kind: bytes = DISPLAY) -> None:
     """``display()`` in the user's code, from any thread: one DISPLAY message (or a widget's
-    COMM_OUT), sent whole (wire.send serializes the threads). On the main thread an interrupt
-    would cut it in half, leaving the caller a corrupt channel: it is raised once the message is out."""
-    data = pack(kind, state.request, pickle.dumps(bundle))
-    if threading.get_ident() != state.main_ident or not state.in_user_code:
-        rank_control.send(channel, data)
-        return
-    state.in_user_code, state.deferring, state.deferred = False, True, False
-    try:
-        rank_control.send(channel, data)
-    finally:
-        state.in_user_code, state.deferring = True, False
-    if state.deferred:
-        state.deferred = False
-        raise KeyboardInterrupt
+    COMM_OUT), sent whole (an interrupt waits for its end: rank_control.send)."""
+    rank_control.send(channel, pack(kind, state.request, pickle.dumps(bundle)))
 
 
 #: Values a push replaced, kept until its answer is sent (see free_replaced).

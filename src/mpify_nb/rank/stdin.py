@@ -107,8 +107,9 @@ def deliver(token: int, answer: Answer) -> None:
             _end_raw_read()
         return
     with _state.cond:
-        _state.answers[token] = answer
-        _state.cond.notify_all()
+        if token in _state.out:  # else its read was interrupted after it asked: nobody takes it
+            _state.answers[token] = answer
+            _state.cond.notify_all()
 
 
 def asking() -> bool:

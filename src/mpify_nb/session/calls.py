@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import Any, Callable, Optional, Union
 
 from ..engine import interrupts
-from ..wire import payload
+from ..wire import payload, shm
 from ..wire.errors import RankError, RankExitedError, SessionClosedError, merge_rank_errors
 from ..wire.protocol import COMM, DONE, NO_REQUEST
 from .ranks import Member, failure_of
@@ -64,7 +64,7 @@ class SessionCalls(SessionRecovery):
             timeout = self.timeout
         check_timeout(timeout)
         targets = self._targets(ranks)
-        with self._call_lock:
+        with self._call_lock, interrupts.presses.during_call():
             self._check_open()
             self._notice_deaths()
             dead = [self._members[r] for r in targets if not self._members[r].alive]
@@ -78,6 +78,7 @@ class SessionCalls(SessionRecovery):
             with self._flag_lock:
                 self._current, self._interrupt_asked = req, False
             restore = interrupts.take_sigint(self._on_sigint, self)
+            garbage = shm.garbage_mark()
             # a per-rank view takes the ranks' streams (magics/views.py)
             self._engine.relay.retarget(sys.stdout, sys.stderr, getattr(display, "rank_streams", None))
             self._engine.user_waits.prompter = None  # made at the first prompt: most calls have none
@@ -88,7 +89,9 @@ class SessionCalls(SessionRecovery):
                 self._begin_watch(req, members)
                 if len(members) < len(self._members):
                     self._engine.watch.soon()  # ranks outside the call: a collective may wait for them
-                return self._wait(members, req, timeout)
+                values = self._wait(members, req, timeout)
+                shm.drop_import_garbage(garbage)
+                return values
             except RankError as e:
                 self.last_error = e
                 raise

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from typing import Optional
 
-from . import template, template_client
+from . import oom, template, template_client
 from .environ import bootstrap_env, own_process_group
 from .placer import Layout, RankProcess, free_port
 
@@ -41,6 +41,7 @@ class _Pidfd:
             self.death_fd: Optional[int] = os.pidfd_open(pid)
         except (OSError, AttributeError):
             self.death_fd = None  # already gone (ESRCH), or an old kernel
+        self._oom = oom.OomWatch(pid)  # its cgroup's OOM-kill count now, to tell who killed it
 
     def kill(self) -> None:
         try:
@@ -64,6 +65,9 @@ class _Pidfd:
 
     def death_detail(self) -> str:
         return ""
+
+    def sigkill_cause(self) -> str:
+        return self._oom.cause()
 
     def kill_leftovers(self) -> None:
         # A rank leads its own process group; its id is not reused while a member lives.

@@ -14,6 +14,8 @@ start it, ask it for ranks, hear their exits, retire it, close it.
 
 from __future__ import annotations
 
+import atexit
+import os
 import pickle
 import signal
 import socket
@@ -41,6 +43,32 @@ class TemplateRetired(TemplateDied):
     """The template is retiring (replaced): it forks no more ranks; ask the current one."""
 
 
+#: Every template this process started and has not closed: closed (and reaped) when it exits.
+_open: set[TemplateClient] = set()
+
+
+def _until_exit(client: TemplateClient) -> None:
+    if not _open and not getattr(_until_exit, "registered", False):
+        atexit.register(_close_all)
+        _until_exit.registered = True  # type: ignore[attr-defined]
+    _open.add(client)
+
+
+def _close_all() -> None:
+    """At exit: every template ends now and is reaped here. Left to end on its own once this
+    process is gone, it would be re-parented to PID 1, which in a container may never reap it
+    (``[mpify_nb-tmpl] <defunct>`` for ever); it kills and reaps its ranks itself."""
+    for client in list(_open):
+        client.close("the process that started it exited")
+
+
+def _forget_after_fork() -> None:
+    _open.clear()  # a forked child (a DataLoader worker) must never close its parent's templates
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
 class TemplateClient:
     """Starts a template process and asks it for ranks. Thread-safe."""
 
@@ -59,6 +87,7 @@ class TemplateClient:
         )
         theirs.close()
         self.pid = self._proc.pid
+        _until_exit(self)
         self._send_lock = threading.Lock()
         self._cond = threading.Condition()
         self._ready = False
@@ -257,6 +286,7 @@ class TemplateClient:
             self._proc.wait()
         self._reader.join(timeout=5)
         self._control.close()
+        _open.discard(self)
 
     def _read_replies(self) -> None:
         try:

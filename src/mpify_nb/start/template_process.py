@@ -56,7 +56,7 @@ def serve(control_fd: int) -> None:
     children: set[int] = set()
 
     def caller_gone() -> NoReturn:
-        process.kill_descendants(reap=False)  # its ranks, and all they started, go with it
+        process.kill_descendants()  # its ranks, and all they started, go with it: reaped here, not by PID 1
         os._exit(0)
 
     def reply(*message) -> None:
@@ -140,7 +140,7 @@ def _preload(control: socket.socket) -> dict[str, str]:
                 why = "it starts a process at import"
             if why:
                 _tell(control, "rejected", name, why)
-                process.kill_descendants(reap=False)  # what it started goes with us
+                process.kill_descendants()  # what it started goes with us
                 os._exit(0)
     finally:
         for fd, saved_fd in zip((1, 2), saved):

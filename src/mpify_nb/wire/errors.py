@@ -159,7 +159,8 @@ class RankExitedError(RankError):
     ```
     """
 
-    def __init__(self, rank: int, exitcode: Optional[int], detail: str = "", recovery: str = ""):
+    def __init__(self, rank: int, exitcode: Optional[int], detail: str = "", recovery: str = "",
+                 killed_by: str = ""):
         self.exitcode = exitcode
         self.signal_name: Optional[str] = None
         if exitcode is not None and exitcode < 0:
@@ -168,8 +169,8 @@ class RankExitedError(RankError):
             except ValueError:
                 self.signal_name = f"signal {-exitcode}"
             how = f"was killed by {self.signal_name}"
-            if self.signal_name == "SIGKILL":
-                how += " (killed by hand, or by the kernel's out-of-memory killer)"
+            if self.signal_name == "SIGKILL":  # its cgroup's OOM count may say which (start/oom.py)
+                how += f" ({killed_by})" if killed_by else " (killed by hand, or by the kernel's out-of-memory killer)"
             elif self.signal_name == "SIGSEGV":
                 how += " (a segmentation fault, usually in a C extension)"
             elif self.signal_name == "SIGABRT":

@@ -256,6 +256,8 @@ class _Unpickler(dill.Unpickler):
                 self._mappings[index] = shm.map_pieces([self._fds[i] for i in index], self._private)
             else:
                 self._mappings[index] = shm.map_memfd(self._fds[index], self._private)
+            if not self._private:
+                shm.mapped_shared()
         mapping = self._mappings[index]
         if as_array and not isinstance(mapping, _np_ndarray()):
             return mapping.numpy()

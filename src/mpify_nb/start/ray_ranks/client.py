@@ -12,7 +12,7 @@ import threading
 from typing import Any, Optional
 
 from .handle import KILL_GRACE, Host
-from .link import accept_links, read_hello, shut
+from .link import accept_links, shut
 from .worker import HUB_ENV
 
 
@@ -33,7 +33,7 @@ class _Hub:
         self._calls: dict[bytes, list[tuple[str, int, Any]]] = {}  # token of an open call -> its events
         self._links: dict[tuple[bytes, int], socket.socket] = {}
         self._cond = threading.Condition()
-        threading.Thread(target=accept_links, args=(self._listener, self._carry), daemon=True).start()
+        threading.Thread(target=accept_links, args=(self._listener, self._known, self._carry), daemon=True).start()
 
     def address(self) -> tuple[str, int]:
         return self._listener.getsockname()[:2]
@@ -50,12 +50,12 @@ class _Hub:
                 self.close(*key)
                 self._links.pop(key).close()
 
-    def _carry(self, sock: socket.socket) -> None:
-        hello = read_hello(sock)
-        if hello is None:
-            sock.close()
-            return
-        token, rank, pid = hello
+    def _known(self, token: bytes) -> bool:
+        """Is ``token`` an open call's (checked before a link gets a thread)?"""
+        with self._cond:
+            return any(hmac.compare_digest(t, token) for t in self._calls)
+
+    def _carry(self, sock: socket.socket, token: bytes, rank: int, pid: int) -> None:
         with self._cond:
             known = next((t for t in self._calls if hmac.compare_digest(t, token)), None)
             if known is None or (known, rank) in self._links:

@@ -245,6 +245,9 @@ class RayRank:
         where = f"on node {self.node}" + (f" (pid {self.pid})" if self.pid else "")
         return f"{where}: {self._detail}" if self._detail else where
 
+    def sigkill_cause(self) -> str:
+        return ""  # its cgroup is on its node: not read from here
+
     def kill_leftovers(self) -> None:
         pass  # its worker killed the rank's process group (on its node) before answering
 

@@ -7,11 +7,13 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import selectors
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator, Sequence
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ...wire import framing, payload, shm
 
@@ -32,29 +34,100 @@ def send_frame(sock: socket.socket, kind: bytes, parts: Sequence[Any]) -> None:
             sock.sendall(part)
 
 
-def accept_links(listener: socket.socket, on_link) -> None:
-    """Each connection to ``listener`` to ``on_link(sock)``, on a thread of its own, until the
-    listener is closed."""
-    while True:
+#: A link's first bytes: the call's token (32), the rank and its pid (4 each).
+HELLO = 32 + 8
+#: A connection gets this long to send its hello (a rank's worker sends it at once).
+HELLO_TIMEOUT = 10.0
+#: Connections whose hello is not in yet, held at most: the oldest is dropped for a new one.
+PENDING_MAX = 64
+
+
+def accept_links(listener: socket.socket, admit: Callable[[bytes], bool],
+                 on_link: Callable[[socket.socket, bytes, int, int], None]) -> None:
+    """Each connection to ``listener`` whose hello's token ``admit`` accepts goes to
+    ``on_link(sock, token, rank, pid)`` on a thread of its own, until the listener is closed.
+
+    The listener is on the node's network address, where anyone may connect: hellos are read
+    here, on this one thread, without blocking, and a connection costs a thread only once its
+    token checked out. One that says nothing is dropped after HELLO_TIMEOUT, and at most
+    PENDING_MAX wait at once (a new one drops the oldest: a real rank's hello comes at once,
+    so idle connections, however many, cannot keep it out). Nothing is unpickled before the
+    token is checked."""
+    listener.setblocking(False)
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, None)
+    pending: dict[socket.socket, tuple[bytearray, float]] = {}  # oldest first
+
+    def drop(sock: socket.socket) -> None:
+        pending.pop(sock, None)
         try:
-            sock, _ = listener.accept()
-        except OSError:
-            return  # closed: the call (or the hub) is over
-        no_delay(sock)
-        threading.Thread(target=on_link, args=(sock,), name="mpify_nb-ray-link", daemon=True).start()
+            selector.unregister(sock)
+        except (KeyError, ValueError):
+            pass
+        sock.close()
 
-
-def read_hello(sock: socket.socket) -> Optional[tuple[bytes, int, int]]:
-    """The first bytes of a link: (the call's token, the rank, the rank's pid); None if the
-    peer sends less within 10 s. Nothing is unpickled before the token is checked."""
     try:
-        sock.settimeout(10.0)
-        hello = framing._recv_exact(sock, 32 + 8)
-        sock.settimeout(None)
-    except (OSError, EOFError):
+        while listener.fileno() >= 0:
+            now = time.monotonic()
+            for sock in [s for s, (_buf, until) in pending.items() if until <= now]:
+                drop(sock)
+            wait = min([until for _buf, until in pending.values()], default=now + 1.0) - now
+            for key, _ in selector.select(min(max(wait, 0.0), 1.0)):  # a closed listener is seen within 1 s
+                if key.data is None:
+                    if not _accept(listener, selector, pending, drop):
+                        return
+                    continue
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                hello = _read_hello(sock, pending[sock][0])
+                if hello is None:
+                    continue  # not all of it yet
+                pending.pop(sock)
+                selector.unregister(sock)
+                if not hello or not admit(bytes(hello[:32])):
+                    sock.close()
+                    continue
+                sock.setblocking(True)
+                no_delay(sock)
+                rank, pid = struct.unpack("!II", hello[32:])
+                threading.Thread(target=on_link, args=(sock, bytes(hello[:32]), rank, pid),
+                                 name="mpify_nb-ray-link", daemon=True).start()
+    finally:
+        for sock in list(pending):
+            drop(sock)
+        selector.close()
+
+
+def _accept(listener: socket.socket, selector: selectors.BaseSelector,
+            pending: dict[socket.socket, tuple[bytearray, float]], drop: Callable[[socket.socket], None]) -> bool:
+    """A new connection, held until its hello is in; False once the listener is closed."""
+    try:
+        sock, _ = listener.accept()
+    except (BlockingIOError, InterruptedError):
+        return True
+    except OSError:
+        return False  # closed: the call (or the hub) is over
+    if len(pending) >= PENDING_MAX:
+        drop(next(iter(pending)))
+    sock.setblocking(False)
+    pending[sock] = (bytearray(), time.monotonic() + HELLO_TIMEOUT)
+    selector.register(sock, selectors.EVENT_READ, "hello")
+    return True
+
+
+def _read_hello(sock: socket.socket, got: bytearray) -> Optional[bytes]:
+    """What ``sock`` sent of its hello so far, added to ``got``: the whole hello, b"" if it
+    closed (or failed) before, None while more is to come."""
+    try:
+        data = sock.recv(HELLO - len(got))
+    except (BlockingIOError, InterruptedError):
         return None
-    rank, pid = struct.unpack("!II", hello[32:])
-    return bytes(hello[:32]), rank, pid
+    except OSError:
+        return b""
+    if not data:
+        return b""
+    got += data
+    return bytes(got) if len(got) == HELLO else None
 
 
 #: Frames up to this size are sent in one write.

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 from .. import placement
 from .client import Tunnel
 from .handle import KILL_GRACE, RayRank
-from .link import accept_links, identity, interface_of, read_hello, read_memfd
+from .link import accept_links, identity, interface_of, read_memfd
 from .worker import WORKER_ENV, serve_rank
 
 _STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -246,7 +246,8 @@ class RayPlacer:
         listener.bind((address, 0))
         listener.listen(64)
         self._listener = listener
-        self.spawn(accept_links, "mpify_nb-ray-accept", listener, self._greet)
+        self.spawn(accept_links, "mpify_nb-ray-accept", listener,
+                   lambda token: hmac.compare_digest(token, self.token), self._greet)
 
     def spawn(self, target: Callable[..., Any], name: str, *args: Any) -> None:
         threading.Thread(target=target, args=args, name=name, daemon=True).start()
@@ -300,12 +301,8 @@ class RayPlacer:
                 self._puts[key] = ref
         return ref
 
-    def _greet(self, sock: socket.socket) -> None:
-        hello = read_hello(sock)
-        if hello is None or not hmac.compare_digest(hello[0], self.token):
-            sock.close()
-            return
-        _token, rank, pid = hello
+    def _greet(self, sock: socket.socket, _token: bytes, rank: int, pid: int) -> None:
+        """A rank's worker connected, with this call's token."""
         with self.lock:
             handle = self.ranks.get(rank)
         if handle is None or not handle.attach(sock, pid):
