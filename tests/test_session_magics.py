@@ -747,6 +747,25 @@ def test_shutdown_leaves_no_process_and_reset_allows_a_new_init(dist):
     dist.ok("%dist_init -n 2")  # leave the module's kernel as it found it
 
 
+def test_debug_is_ipythons_own_again_after_reset_even_after_a_second_init(dist):
+    # %dist_init puts the failed rank's post mortem in %debug's place, and %dist_reset gives IPython's
+    # own back. A second %dist_init once took its own stand-in for IPython's %debug (a new bound
+    # method is never `is` the installed one): %debug of a kernel error then recursed for ever, and
+    # %dist_reset never gave IPython's back.
+    magics = "__import__('mpify_nb.magics.session').magics.session._current"
+    stand_in = f"{magics}.lifecycle._debug_the_rank"
+    installed = f"get_ipython().magics_manager.magics['line']['debug'] == {stand_in}"
+    dist.ok("%dist_shutdown")
+    dist.ok("%dist_init -n 2")  # this kernel's second
+    try:
+        assert dist.value(installed) is True
+        assert dist.value(f"{magics}.state.ipython_debug == {stand_in}") is False  # IPython's, kept for later
+    finally:
+        dist.ok("%dist_reset")
+    assert dist.value(installed) is False
+    dist.ok("%dist_init -n 2")  # leave the module's kernel as it found it
+
+
 def test_init_options_timeout_and_gpus(dist):
     dist.ok("%dist_shutdown")
     try:

@@ -135,7 +135,8 @@ def lifecycle_magics_class() -> type:
                 set_view(self.state, self._sh, args.view)
             self.state.router.automatic = True
             line_magics = self._sh.magics_manager.magics["line"]
-            if line_magics.get("debug") is not self._debug_the_rank:  # %debug after a rank error: that rank
+            # (==, not is: each self._debug_the_rank is a new bound method, equal to the one installed)
+            if line_magics.get("debug") != self._debug_the_rank:  # %debug after a rank error: that rank
                 self.state.ipython_debug = line_magics.get("debug")
                 line_magics["debug"] = self._debug_the_rank
             rows = self.state.session.status()
@@ -192,7 +193,7 @@ def lifecycle_magics_class() -> type:
             self.state.view = "lines"
             self.state.timeout = None
             line_magics = self._sh.magics_manager.magics["line"]
-            if self.state.ipython_debug is not None and line_magics.get("debug") is self._debug_the_rank:
+            if self.state.ipython_debug is not None and line_magics.get("debug") == self._debug_the_rank:
                 line_magics["debug"] = self.state.ipython_debug
             if s is not None:
                 s.close()
