@@ -311,6 +311,114 @@ def test_a_rank_process_runs_nothing_of_the_callers_side() -> None:
     assert not crossing, "imports across the process boundary:\n" + "\n".join("  " + line for line in crossing)
 
 
+#: Where a function handed to ranks by reference may live: the rank unpickles it by importing its
+#: module, so that module must lie below the process boundary (MAY_ONLY_IMPORT["rank"] and rank/).
+SHIPPABLE = {"rank", *MAY_ONLY_IMPORT["rank"]}
+
+
+def _shipped(module: str, tree: ast.AST, modules: dict[str, Path]) -> list[tuple[str, str]]:
+    """(the function as written, the module it comes from) for each function of the package that
+    ``module`` hands to ranks: ``ranch(n, fn, ...)`` and ``<session>.apply(fn, ...)``. A name the
+    module defines itself comes from ``module``; one it imports, from that module; others (a
+    parameter, the user's function) are not the package's and are left out."""
+    imported: dict[str, str] = {}  # name bound by an import -> the module it names or comes from
+    defined: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                targets = _targets(module, ast.ImportFrom(node.module, [alias], node.level), modules)
+                if targets:
+                    imported[alias.asname or alias.name] = targets.pop()
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            defined.add(node.name)
+    top_level = {n.name for n in getattr(tree, "body", []) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        callee = node.func
+        if isinstance(callee, ast.Name) and callee.id == "ranch" and len(node.args) >= 2:
+            fn = node.args[1]
+        elif isinstance(callee, ast.Attribute) and callee.attr == "apply" and node.args:
+            fn = node.args[0]
+        else:
+            continue
+        if isinstance(fn, ast.Name) and fn.id in top_level:
+            out.append((fn.id, module))
+        elif isinstance(fn, ast.Name) and fn.id in imported:
+            out.append((fn.id, imported[fn.id]))
+        elif isinstance(fn, ast.Attribute) and isinstance(fn.value, ast.Name) and fn.value.id in imported:
+            out.append((ast.unparse(fn), imported[fn.value.id]))
+    return out
+
+
+def test_what_ranks_run_lives_below_the_process_boundary() -> None:
+    """A function the package hands to ranks (``ranch``, ``Session.apply``) travels by reference: a
+    rank imports its module to unpickle it. Living in magics/ (or anywhere above rank/), it would
+    load the caller's side into every rank: the one arrow from inside a rank up to the top floor."""
+    modules = _modules()
+    found = []
+    for name, path in modules.items():
+        for fn, where in _shipped(name, ast.parse(path.read_text()), modules):
+            if package_of(where) not in SHIPPABLE:
+                found.append(f"{name} hands {fn} (of {where}) to the ranks; move it into rank/")
+    assert not found, "functions the ranks import from above the process boundary:\n" + "\n".join(
+        "  " + line for line in found)
+
+
+def test_the_shipped_functions_reader_on_small_sources() -> None:
+    modules = {PACKAGE: SRC / "__init__.py", "magics": SRC / "magics" / "__init__.py",
+               "magics.m": SRC / "magics" / "m.py", "rank": SRC / "rank" / "__init__.py",
+               "rank.cells": SRC / "rank" / "cells.py"}
+
+    def shipped(source: str) -> list[tuple[str, str]]:
+        return _shipped("magics.m", ast.parse(source), modules)
+
+    assert shipped("def here(): pass\ndef f(n):\n    ranch(n, here, 1)\n") == [("here", "magics.m")]
+    assert shipped("from ..rank.cells import run\ndef f(s):\n    s.apply(run, ranks=[0])\n") == [("run", "rank.cells")]
+    assert shipped("from ..rank import cells as on\ndef f(s):\n    s.apply(on.time_code, 1)\n") == [
+        ("on.time_code", "rank.cells")]
+    assert shipped("def f(s, fn):\n    s.apply(fn)\n    ranch(2, lambda: 1)\n") == []  # the user's: not ours
+
+
+#: The largest a class or a module of the package may grow (issue 34): a class a reader holds in
+#: their head, a module whose pieces are found by their concept. Past either, split it by job.
+MAX_CLASS_LINES = 330
+MAX_MODULE_LINES = 500
+
+
+def too_big(source: str, where: str) -> list[str]:
+    """The module (``where``) and the classes in ``source`` over the limits, each with its size."""
+    found = []
+    lines = len(source.splitlines())
+    if lines > MAX_MODULE_LINES:
+        found.append(f"module {where}: {lines} lines (at most {MAX_MODULE_LINES})")
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef):
+            size = (node.end_lineno or node.lineno) - node.lineno + 1
+            if size > MAX_CLASS_LINES:
+                found.append(f"class {node.name} in {where}, line {node.lineno}: {size} lines "
+                             f"(at most {MAX_CLASS_LINES})")
+    return found
+
+
+def test_no_class_or_module_too_big_to_hold() -> None:
+    found = [line for path in sorted(SRC.rglob("*.py"))
+             for line in too_big(path.read_text(), str(path.relative_to(SRC.parent)))]
+    assert not found, "split these by job (pure moves first, then collaborators with one job each):\n" + \
+        "\n".join("  " + line for line in found)
+
+
+def test_the_size_check_on_small_sources() -> None:
+    small = "class A:\n    x = 1\n"
+    assert too_big(small, "a.py") == []
+    big_class = "class Big:\n" + "    x = 1\n" * MAX_CLASS_LINES
+    assert too_big(big_class, "b.py") == [f"class Big in b.py, line 1: {MAX_CLASS_LINES + 1} lines "
+                                          f"(at most {MAX_CLASS_LINES})"]
+    long_module = "x = 1\n" * (MAX_MODULE_LINES + 1)
+    assert too_big(long_module, "c.py") == [f"module c.py: {MAX_MODULE_LINES + 1} lines (at most {MAX_MODULE_LINES})"]
+
+
 def test_moved_modules_keep_their_documented_names() -> None:
     """``mpify_nb.template``, ``mpify_nb.placement`` and ``mpify_nb.errors`` moved into packages; the
     documented names still import the same modules."""

@@ -193,6 +193,13 @@ def test_cell_runs_on_every_rank_and_values_are_labelled(kernel):
     assert result.shown() == ["[1, 11]"]
 
 
+def test_a_rank_runs_its_cell_without_importing_the_magics(kernel):
+    # What a rank runs for a cell lives below the process boundary (rank/cells.py): rank 1 never
+    # imports magics/ (nor IPython for it); rank 0 is the notebook, where the magics are loaded.
+    ran = kernel.ok("%%ranch 2\nimport sys\nsorted(m for m in sys.modules if m.startswith('mpify_nb.magics'))[:1]")
+    assert ran.shown() == ["[rank 0] ['mpify_nb.magics']\n[rank 1] []"]
+
+
 def test_lines_of_different_ranks_never_share_a_line(kernel):
     # print() on rank 0 writes its text and its newline separately: a rank's line must not land between.
     ran = kernel.ok("%%ranch 3\nimport os, time\nfor i in range(40):\n"

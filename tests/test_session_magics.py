@@ -102,20 +102,25 @@ def test_parse_ranks_rejects(spec):
         parse_ranks(spec, 3)
 
 
-def test_the_session_magics_class_holds_every_magic_of_its_mixins():
-    # The mixins' magics reach IPython only through the one @magics_class of SessionMagics:
-    # every magic, each from the module whose job it is.
-    from mpify_nb.magics.session import session_magics_class
+def test_each_group_of_session_magics_is_a_magics_class_of_its_own_module():
+    # One Magics class per group of magics, each from the module whose job it is, none mixed into
+    # another (they share one SessionState instead): every magic, once.
+    from IPython.core.magic import Magics
 
-    cls = session_magics_class()
-    where = {kind: {name: getattr(cls, method).__module__.rsplit(".", 1)[1] for name, method in table.items()}
-             for kind, table in cls.magics.items()}
-    lifecycle = ["dist_debug", "dist_init", "dist_reset", "dist_restart", "dist_shutdown", "dist_status", "dist_view",
-                 "dist_where"]
+    from mpify_nb.magics.session import magics_classes
+
+    where: dict[str, dict[str, str]] = {"line": {}, "cell": {}}
+    for cls in magics_classes():
+        assert cls.__bases__ == (Magics,), cls
+        for kind, table in cls.magics.items():
+            for name, method in table.items():
+                assert name not in where[kind], name
+                where[kind][name] = getattr(cls, method).__module__.rsplit(".", 1)[1]
+    lifecycle = ["dist_debug", "dist_init", "dist_reset", "dist_restart", "dist_shutdown", "dist_status", "dist_where"]
     assert where == {
-        "line": {**dict.fromkeys(lifecycle, "lifecycle"),
-                 **dict.fromkeys(["dist_mode", "dist_pull", "dist_push", "sync"], "cells_and_data")},
-        "cell": dict.fromkeys(["distributed", "local", "rank"], "cells_and_data"),
+        "line": {**dict.fromkeys(lifecycle, "lifecycle"), **dict.fromkeys(["dist_pull", "dist_push", "sync"], "data"),
+                 "dist_view": "views", "dist_mode": "router"},
+        "cell": dict.fromkeys(["distributed", "local", "rank"], "rank_cells"),
     }
 
 
@@ -363,6 +368,15 @@ def test_time_and_timeit_measure_on_the_ranks(dist):
     assert ran.stream("stdout").count("(mean ± std. dev. of 3 runs, 2 loops each)") == 2, ran.outputs
     ran = dist.ok("%%time\ntimed_cell = timed + 1\ntimed_cell")
     assert "[rank 1] Wall time" in ran.stream("stdout") and ran.shown() == ["[rank 0] 1\n[rank 1] 3"]
+
+
+def test_what_ranks_run_for_a_cell_never_imports_the_magics(dist):
+    # %time, %timeit and %sync send functions to the ranks, by reference: they live below the
+    # process boundary (rank/cells.py), so a rank imports nothing of magics/ (nor IPython for it).
+    dist.ok("%time below_boundary = rank\n%timeit -n 1 -r 1 below_boundary")
+    dist.ok("%sync")
+    ran = dist.ok("import sys\nsorted(m for m in sys.modules if m.startswith('mpify_nb.magics'))")
+    assert ran.shown() == ["[rank 0] []\n[rank 1] []"]
 
 
 def test_magic_lines_in_a_rank_cell_run_in_the_kernel_in_their_turn(dist):
@@ -730,6 +744,25 @@ def test_shutdown_leaves_no_process_and_reset_allows_a_new_init(dist):
     dist.ok("%dist_reset")
     assert all(gone(p) for p in second)
     assert "No ranks" in dist.ok("%dist_status").stream()
+    dist.ok("%dist_init -n 2")  # leave the module's kernel as it found it
+
+
+def test_debug_is_ipythons_own_again_after_reset_even_after_a_second_init(dist):
+    # %dist_init puts the failed rank's post mortem in %debug's place, and %dist_reset gives IPython's
+    # own back. A second %dist_init once took its own stand-in for IPython's %debug (a new bound
+    # method is never `is` the installed one): %debug of a kernel error then recursed for ever, and
+    # %dist_reset never gave IPython's back.
+    magics = "__import__('mpify_nb.magics.session').magics.session._current"
+    stand_in = f"{magics}.lifecycle._debug_the_rank"
+    installed = f"get_ipython().magics_manager.magics['line']['debug'] == {stand_in}"
+    dist.ok("%dist_shutdown")
+    dist.ok("%dist_init -n 2")  # this kernel's second
+    try:
+        assert dist.value(installed) is True
+        assert dist.value(f"{magics}.state.ipython_debug == {stand_in}") is False  # IPython's, kept for later
+    finally:
+        dist.ok("%dist_reset")
+    assert dist.value(installed) is False
     dist.ok("%dist_init -n 2")  # leave the module's kernel as it found it
 
 

@@ -1,10 +1,13 @@
 """The engine: the one owner of a set of live ranks, under both ``ranch`` and ``Session``.
 
-``core`` (``Engine``: start through the placer, channels, output, deaths, the one event loop),
-the caller's half of each capability that touches running ranks (``prompts``: stdin; ``comms``:
-widgets; ``watch``: the collective watch, looking at a call's ranks, and ``verdict``: what their
-looks mean, a collective that can never finish and where each rank is) and ``interrupts`` (the
-stop button for calls on other threads).
+``core`` (``Engine``: start through the placer, channels, output, deaths, the one event loop;
+the registry of capabilities), ``members`` (``Member``: the engine's view of one live rank, how
+it died), ``user_waits`` (ranks waiting for the user: at a stdin prompt, ``prompts``, or held at
+a breakpoint; a call's clock does not count it), the caller's half of each capability that
+touches running ranks (``prompts``: stdin; ``comms``: widgets; ``watch``: the collective watch,
+looking at a call's ranks, and ``verdict``: what their looks mean, a collective that can never
+finish and where each rank is) and ``interrupts`` (the stop button: SIGINT while a call waits,
+and for calls on other threads).
 
 It may import ``wire/``, ``torchdist/``, ``rank/`` (the rank's half of a capability),
 ``relay/`` and ``start/``.

@@ -1,8 +1,11 @@
 """``ranch()``: one call on short-lived ranks, with the caller as one of them.
 
-``call`` (``ranch`` and its one call's policy: the first failure wins, every rank is ended),
-``watched`` (its half of the collective watch: a verdict ends the call) and ``own_rank`` (the
-caller's own rank, and what it changes in this process for the call).
+``ranch`` (``ranch()`` and its checks before anything starts), ``call`` (one call: its ranks
+started, GO, answers gathered, every rank ended), ``outcome`` (the first failure wins: the root
+cause, errors held a moment as possible echoes, the user's stop), ``watched`` (its half of the
+collective watch: a verdict ends the call), ``own_rank`` (the caller's own rank, run on the
+calling thread, and what it changes in this process for the call) and ``stopping`` (stopping
+that rank only at a safe point, never inside an import).
 
 It may import the engine and what lies below it.
 """

@@ -1,17 +1,18 @@
-"""IPython magics (``%load_ext mpify_nb``), by job:
+"""IPython magics (``%load_ext mpify_nb``), one module per thing the user types or group of them:
 
 ==================  ===============================================================
 ranch.py            %%ranch N: fresh ranks for one cell; %ranch_result
-session.py          persistent ranks: the magics class driving one Session, built from
-lifecycle.py        %dist_init, %dist_shutdown, %dist_reset, %dist_restart, %dist_debug,
-                    %dist_view, %dist_status, %dist_where: the session's life, and
-cells_and_data.py   %%distributed, %%rank, %%local, %dist_push/%dist_pull, %sync,
-                    %dist_mode: cells and data to the ranks
-rank_cells.py       a rank cell run on the ranks: its pieces in order, names sent
+session.py          the persistent ranks' magics: their groups registered, sharing one
+                    SessionState (state.py); the default Session (``session()``)
+lifecycle.py        the session's life: %dist_init, %dist_shutdown, %dist_reset,
+                    %dist_restart, %dist_debug, %dist_status (status.py's table),
+                    %dist_where
+rank_cells.py       cells to the ranks: %%distributed, %%rank, %%local; a rank cell
+                    run piece by piece, the names the ranks lack sent first
+data.py             data to and from the ranks: %dist_push, %dist_pull, %sync
 views.py            %dist_view: labelled lines (figures in rank order) or a tab per rank
-router.py           automatic mode's input transformer; the ranks a %%rank line names
-status.py           %dist_status's table
-auto.py             automatic mode: which cells go to the ranks, which lines stay
+router.py, auto.py  automatic mode: %dist_mode, the input transformer, which cells go
+                    to the ranks and which lines stay; the ranks a %%rank line names
 names.py            the names a cell reads from the notebook (sent to the ranks)
 cell.py             a cell in IPython: compiled as ``Cell In[n]``, its values and
                     errors shown

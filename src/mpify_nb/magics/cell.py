@@ -40,6 +40,11 @@ def labelled(rank: int, text: str) -> str:
     return label + text.replace("\n", "\n" + " " * len(label))
 
 
+def rank_list(ranks) -> str:
+    """``0, 2, 3``: ranks as a message names them."""
+    return ", ".join(str(r) for r in ranks)
+
+
 def show_briefly(error: BaseException, lines: Optional[list[str]] = None) -> None:
     """Make IPython show ``error`` as its message alone: the frames that raised it are the
     library's, and the user's code is not among them."""

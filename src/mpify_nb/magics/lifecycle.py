@@ -1,32 +1,33 @@
-"""The session's life: %dist_init, %dist_shutdown, %dist_reset, %dist_restart, %dist_debug, %dist_view,
+"""The session's life: %dist_init, %dist_shutdown, %dist_reset, %dist_restart, %dist_debug,
 %dist_status, %dist_where.
 
-The part of the session magics (session.py) that starts, stops, restarts and inspects the
-ranks, and chooses how cells show them::
+The group of session magics that starts, stops, restarts and inspects the ranks::
 
     %dist_init -n 2 ──> Session(2, ddp=True): ranks up, group joined; automatic mode on;
                         IPython's %debug becomes the failed rank's post mortem
     %dist_restart [k]   dead (or named) ranks replaced, group rebuilt
     %dist_shutdown / %dist_reset ──> Session.close() (reset: options forgotten too)
     %dist_debug / %debug ──> Session.debug(rank): pdb on the rank, through the frontend's prompt
-    %dist_view lines|tabs, %dist_status (status.py's table)
+    %dist_status ──> Session.status(), as status.py's table
     %dist_where ──> Session.where(): each rank's stack and the collectives it waits in
 
-Like rank_cells.py's RankCells, its class is mixed into SessionMagics, which registers it.
+Its Magics class is registered with the other groups' by session.py; they share its
+SessionState (state.py): the Session, the cells' time limit, the view, the router.
 """
 
 from __future__ import annotations
 
+import functools
 import html
 import re
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from .cell import show_briefly
-from .rank_cells import RankCells, usage
 from .router import parse_ranks
+from .state import SessionState, usage
 from .status import status_table
-from .views import VIEWS, tabs_unavailable
+from .views import VIEWS, set_view
 
 _INIT_USAGE = "%dist_init -n N [-g IDS] [--backend gloo|nccl] [--timeout S] [--view lines|tabs]"
 
@@ -35,22 +36,24 @@ def _node_of(row) -> str:
     return getattr(row, "node", "127.0.0.1")
 
 
-def session_lifecycle_class() -> type:
-    """Build the mixin (here, not at import: ranks import this package and have no IPython).
-    Its magics are recorded by IPython's decorators for the ``@magics_class`` of the class
-    it is mixed into, which must be built right after (session.py's session_magics_class)."""
+@functools.cache
+def lifecycle_magics_class() -> type:
+    """Build the Magics class (on first use, not at import)."""
     from IPython.core.error import UsageError
-    from IPython.core.magic import line_magic
+    from IPython.core.magic import Magics, line_magic, magics_class
     from IPython.core.magic_arguments import argument, kwds, magic_arguments, parse_argstring
     from IPython.display import publish_display_data
 
     from ..wire.errors import RankError
 
-    class SessionLifecycle(RankCells):
-        """%dist_init, %dist_shutdown, %dist_reset, %dist_restart, %dist_debug, %dist_view, %dist_status,
-        %dist_where."""
+    @magics_class
+    class LifecycleMagics(Magics):
+        """%dist_init, %dist_shutdown, %dist_reset, %dist_restart, %dist_debug, %dist_status, %dist_where."""
 
-        _ipython_debug: Optional[Callable[[str], Any]]  # IPython's own %debug, while ours stands in
+        def __init__(self, shell: Any, state: SessionState):
+            super().__init__(shell)
+            self.state = state
+            self._sh: Any = shell  # IPython's shell (never None once registered)
 
         # -- starting and stopping -------------------------------------------------------
 
@@ -89,8 +92,8 @@ def session_lifecycle_class() -> type:
                 args = parse_argstring(self.dist_init, line)
             except UsageError as e:
                 raise usage("dist_init", str(e), _INIT_USAGE) from None
-            if self._session is not None and not self._session.closed:
-                raise usage("dist_init", f"{self._session.world_size} ranks are running already; "
+            if self.state.session is not None and not self.state.session.closed:
+                raise usage("dist_init", f"{self.state.session.world_size} ranks are running already; "
                                          "%dist_shutdown (or %dist_reset) stops them")
             if args.num_processes < 1:
                 raise usage("dist_init", f"N must be at least 1, not {args.num_processes}", _INIT_USAGE)
@@ -118,8 +121,8 @@ def session_lifecycle_class() -> type:
             from ..session.session import Session
 
             try:
-                self._session = Session(args.num_processes, ddp=True, gpus=gpus, backend=args.backend)
-                self._session.restart_how = "%dist_restart"
+                self.state.session = Session(args.num_processes, ddp=True, gpus=gpus, backend=args.backend)
+                self.state.session.restart_how = "%dist_restart"
             except (ValueError, RuntimeError) as e:
                 if isinstance(e, RankError):
                     raise
@@ -127,16 +130,17 @@ def session_lifecycle_class() -> type:
             except KeyboardInterrupt as e:
                 show_briefly(e, ["KeyboardInterrupt: %dist_init was interrupted; no rank was kept"])
                 raise
-            self._timeout = args.timeout
+            self.state.timeout = args.timeout
             if args.view is not None:
-                self._set_view(args.view)
-            self._router.automatic = True
+                set_view(self.state, self._sh, args.view)
+            self.state.router.automatic = True
             line_magics = self._sh.magics_manager.magics["line"]
-            if line_magics.get("debug") is not self._debug_the_rank:  # %debug after a rank error: that rank
-                self._ipython_debug = line_magics.get("debug")
+            # (==, not is: each self._debug_the_rank is a new bound method, equal to the one installed)
+            if line_magics.get("debug") != self._debug_the_rank:  # %debug after a rank error: that rank
+                self.state.ipython_debug = line_magics.get("debug")
                 line_magics["debug"] = self._debug_the_rank
-            rows = self._session.status()
-            backend = getattr(self._session, "backend", None) or args.backend or ""
+            rows = self.state.session.status()
+            backend = getattr(self.state.session, "backend", None) or args.backend or ""
             print(f"{args.num_processes} ranks ready{f' ({backend})' if backend else ''}: "
                   + ", ".join(f"rank {r.rank} pid {r.pid} on {r.device}"
                               + (f" at {_node_of(r)}" if _node_of(r) != "127.0.0.1" else "") for r in rows))
@@ -153,13 +157,13 @@ def session_lifecycle_class() -> type:
             """
             if line.strip():
                 raise usage("dist_shutdown", "takes no arguments")
-            if self._session is None or self._session.closed:
+            if self.state.session is None or self.state.session.closed:
                 print("No ranks are running.")
-                self._router.automatic = False
+                self.state.router.automatic = False
                 return
-            n = self._session.world_size
-            self._session.close()
-            self._router.automatic = False
+            n = self.state.session.world_size
+            self.state.session.close()
+            self.state.router.automatic = False
             print(f"{n} ranks stopped. Automatic mode off.")
 
         @magic_arguments()
@@ -179,17 +183,18 @@ def session_lifecycle_class() -> type:
                 parse_argstring(self.dist_reset, line)
             except UsageError as e:
                 raise usage("dist_reset", str(e)) from None
-            self._forget()
+            self.forget()
             print("Session reset: no ranks running; %dist_init starts new ones.")
 
-        def _forget(self) -> None:
-            s, self._session = self._session, None
-            self._router.automatic = False
-            self.view = "lines"
-            self._timeout = None
+        def forget(self) -> None:
+            """Stop the ranks and forget the session: options, automatic mode, %debug back to IPython's."""
+            s, self.state.session = self.state.session, None
+            self.state.router.automatic = False
+            self.state.view = "lines"
+            self.state.timeout = None
             line_magics = self._sh.magics_manager.magics["line"]
-            if self._ipython_debug is not None and line_magics.get("debug") is self._debug_the_rank:
-                line_magics["debug"] = self._ipython_debug
+            if self.state.ipython_debug is not None and line_magics.get("debug") == self._debug_the_rank:
+                line_magics["debug"] = self.state.ipython_debug
             if s is not None:
                 s.close()
 
@@ -203,7 +208,7 @@ def session_lifecycle_class() -> type:
                 %dist_restart        # the dead ones
                 %dist_restart 1      # rank 1, dead or not
             """
-            s = self._require("dist_restart")
+            s = self.state.require("dist_restart")
             ranks = None
             if line.strip():
                 try:
@@ -241,60 +246,25 @@ def session_lifecycle_class() -> type:
             self._post_mortem(parse_argstring(self.dist_debug, line).rank)
 
         def _post_mortem(self, rank: Optional[int]) -> None:
-            s = self._require("dist_debug")
+            s = self.state.require("dist_debug")
             if rank is None and s.last_error is None:
                 raise UsageError("%dist_debug: no cell on the ranks has failed yet; %dist_debug --rank K "
                                  "debugs the last error of rank K")
             try:
-                self._call(lambda: s.debug(rank))
+                self.state.call(lambda: s.debug(rank))
             except ValueError as e:
                 raise UsageError(f"%dist_debug: {e}") from None
 
         def _debug_the_rank(self, line: str) -> Any:
             """IPython's %debug, right after a cell failed on the ranks: post mortem on the rank
             that caused it (its frames are there, not in the kernel); otherwise IPython's own."""
-            s = self._session
+            s = self.state.session
             last = getattr(sys, "last_value", None)
             if not line.strip() and s is not None and not s.closed and last is not None and last is s.last_error:
                 return self._post_mortem(None)
-            if self._ipython_debug is None:
+            if self.state.ipython_debug is None:
                 raise UsageError("%debug is not available")
-            return self._ipython_debug(line)
-
-        # -- views ------------------------------------------------------------------------
-
-        @line_magic
-        def dist_view(self, line: str) -> None:
-            """How persistent cells show the ranks' output; without an argument, say which.
-
-            ``lines`` (the default): each line labelled ``[rank k]``, live; figures, displays
-            and values in rank order. ``tabs``: one tab per rank (ipywidgets Tab and Output),
-            each rank's streams, figures, values, errors and widgets in its own tab, live.
-            Where widgets cannot show (no ipywidgets, no Jupyter kernel) tabs fall back to lines.
-
-            Example::
-
-                %dist_view tabs
-            """
-            arg = line.strip()
-            if arg and arg not in VIEWS:
-                raise usage("dist_view", f"expected one of {', '.join(VIEWS)}, not {arg!r}",
-                            "%dist_view [lines|tabs]")
-            if arg:
-                self._set_view(arg)
-                return
-            print(f"View: {self.view}" + (" (one tab per rank)" if self.view == "tabs" else
-                                         " (labelled lines; %dist_view tabs for one tab per rank)"))
-
-        def _set_view(self, kind: str) -> None:
-            self.view = kind
-            why = tabs_unavailable(self._sh) if kind == "tabs" else None
-            if why is not None:
-                print(f"View: tabs, shown as lines here ({why})")
-            elif kind == "tabs":
-                print("View: tabs (one tab per rank, from the next cell)")
-            else:
-                print("View: lines (each line labelled [rank k])")
+            return self.state.ipython_debug(line)
 
         @line_magic
         def dist_status(self, line: str) -> None:
@@ -305,14 +275,14 @@ def session_lifecycle_class() -> type:
 
                 %dist_status
             """
-            if self._session is None:
+            if self.state.session is None:
                 print("No ranks: %dist_init -n N starts them.")
                 return
-            if self._session.closed:
+            if self.state.session.closed:
                 print("The ranks were shut down: %dist_init -n N starts new ones.")
                 return
-            text, table = status_table(self._session.status())
-            mode = f"automatic mode {'on' if self._router.automatic else 'off'}"
+            text, table = status_table(self.state.session.status())
+            mode = f"automatic mode {'on' if self.state.router.automatic else 'off'}"
             publish_display_data({"text/plain": f"{text}\n({mode})",
                                   "text/html": f"{table}<p>{html.escape(mode)}</p>"})
 
@@ -328,9 +298,9 @@ def session_lifecycle_class() -> type:
             """
             if line.strip():
                 raise usage("dist_where", f"it takes no arguments, not {line.strip()!r}", "%dist_where")
-            if self._session is None or self._session.closed:
+            if self.state.session is None or self.state.session.closed:
                 print("No ranks: %dist_init -n N starts them.")
                 return
-            print(self._session.where())
+            print(self.state.session.where())
 
-    return SessionLifecycle
+    return LifecycleMagics

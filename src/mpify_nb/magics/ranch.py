@@ -11,16 +11,16 @@
     [rank 1] 12
 
 How a cell runs: the magic parses the cell and finds the names it reads from the
-notebook; ``ranch(N, _run_cell_on_rank, ...)`` ships them (``need=``) and runs
+notebook; ``ranch(N, run_cell, ...)`` ships them (``need=``) and runs
 the cell's source on every rank. Rank 0 is the notebook process, where
 ``__main__`` *is* the notebook's namespace, so what the cell assigns stays in the
 notebook. The other ranks are fresh processes with a fresh ``__main__``. The cell
 is compiled under a name registered with IPython's compiler, so a remote
 traceback shows ``Cell In[n], line k`` and the cell's own lines.
 
-What every rank runs, ``_run_cell_on_rank``, lives below the process boundary
-(rank/cells.py): ranks never import this package. What the magics share: a cell's
-names read from the notebook (names.py), compiling and showing it (cell.py).
+What every rank runs, ``run_cell``, lives below the process boundary (rank/cells.py):
+ranks never import this package. What the magics share: a cell's names read from the
+notebook (names.py), compiling and showing it (cell.py).
 """
 
 from __future__ import annotations
@@ -30,9 +30,11 @@ import re
 import sys
 from typing import Any, Optional
 
-from ..rank.cells import _run_cell_on_rank
+from ..rank.cells import run_cell
 from .cell import compile_cell, ends_with_semicolon, has_value, labelled, payload_message, show_briefly
 from .names import notebook_names_for
+
+_run_cell_on_rank = run_cell  # its name before it moved below the process boundary: older pickles name it
 
 _USAGE = "%%ranch N [--ddp] [--gpus IDS] [--timeout S] [--no-gather]"
 
@@ -112,7 +114,7 @@ def ranch_magics_class() -> type:
 
             _last_result = None
             try:
-                values = ranch(args.nprocs, _run_cell_on_rank, source, filename, not args.no_gather,
+                values = ranch(args.nprocs, run_cell, source, filename, not args.no_gather,
                                ctx=args.ctx, need=need, timeout=args.timeout, gather=not args.no_gather)
             except RankError:
                 raise  # shows the failing rank and its remote traceback (RankError._render_traceback_)

@@ -1,219 +1,261 @@
-"""Running a cell on the ranks: its pieces in order, names the ranks lack, ``%time``/``%timeit``.
+"""Cells to the ranks: %%distributed, %%rank, %%local, and running a rank cell.
 
-The part of the session magics (session.py) that turns one rank cell into Session calls::
+A rank cell (%%distributed, %%rank [k], or an ordinary cell in automatic mode) becomes Session
+calls, its pieces in order::
 
-    %%rank [0]                          RankCells._run_cell
+    %%rank [0]                          RankCellMagics._run_cell
     %time y = f(x)      ── pieces ──>     kernel lines in the kernel, in their turn
     y                                     code: Session.run(..., display=the cell's view)
                                           %time / %timeit: rank/cells.py's, on the ranks
+    %%local ──> the kernel only (also while automatic mode is on)
 
-What the ranks show goes through the cell's view (views.py: labelled lines or tabs).
+Names a piece reads that a rank lacks and the notebook has go to that rank first (names.py
+finds them). What the ranks show goes through the cell's view (views.py: labelled lines or tabs).
+The session magics' state is session.py's SessionState, shared with the other groups.
 """
 
 from __future__ import annotations
 
 import ast
-from typing import Any, Callable, Optional, cast
+import functools
+from typing import Any, Optional, cast
 
-from ..rank import cells as onrank
-from ..wire.errors import PayloadError, RankError
+from ..rank import cells as on_ranks
+from ..wire.errors import RankError
 from .auto import Piece, split_cell
-from .cell import CellSyntaxError, cell_number, ends_with_semicolon, labelled, show_briefly
+from .cell import CellSyntaxError, cell_number, ends_with_semicolon, labelled, rank_list, show_briefly
 from .names import notebook_names_for
+from .router import parse_ranks
+from .state import SessionState, usage
 from .views import make_view, tabs_unavailable
 
-_INTERRUPTED = ("KeyboardInterrupt: the cell was interrupted; every rank stopped what it ran "
-                "and keeps its state")
 
-
-def usage(magic: str, message: str, usage_line: str = ""):
-    """A session magic's usage error (IPython shows it without a traceback)."""
+@functools.cache
+def rank_cell_magics_class() -> type:
+    """Build the Magics class (on first use, not at import)."""
     from IPython.core.error import UsageError
+    from IPython.core.magic import Magics, cell_magic, magics_class
+    from IPython.core.magic_arguments import argument, kwds, magic_arguments, parse_argstring
 
-    tail = f"\nusage: {usage_line}" if usage_line else ""
-    return UsageError(f"%{magic}: {message}{tail}\n(see %{magic}? for help)")
+    @magics_class
+    class RankCellMagics(Magics):
+        """%%distributed, %%rank, %%local: cells to the ranks (or kept in the kernel)."""
 
+        def __init__(self, shell: Any, state: SessionState):
+            super().__init__(shell)
+            self.state = state
+            self._sh: Any = shell  # IPython's shell (never None once registered)
 
-class RankCells:
-    """Mixed into the session magics: what runs a rank cell. The magics class holds the state
-    (``_session``, ``_timeout``, ``_router``, ``view``) and IPython's shell."""
+        @magic_arguments()
+        @kwds(usage="%%distributed [--to ranks|both]")
+        @argument("--to", choices=["ranks", "both"], default="ranks",
+                  help="ranks: every rank (default); both: the kernel first, then every rank")
+        @argument("--auto", action="store_true", help="(used by automatic mode)")
+        @cell_magic
+        def distributed(self, line: str, cell: str) -> None:
+            """Run this cell on every rank (``--to both``: in the kernel too, first).
 
-    _session: Any
-    _timeout: Optional[float]
-    _router: Any
-    shell: Any
-    parse_options: Callable[..., Any]  # IPython's Magics has it
-    #: how persistent cells show their output: "lines" or "tabs" (%dist_view)
-    view = "lines"
+            Names the cell reads that a rank lacks but the notebook has are sent to that
+            rank first (one line says which). Output appears live, each line ``[rank k]``;
+            the last expression's value is shown per rank. A rank that raises fails the
+            cell with its traceback; the other ranks keep their state.
 
-    @property
-    def _sh(self) -> Any:
-        """IPython's shell (never None once registered)."""
-        return self.shell
+            Example::
 
-    def _require(self, magic: str):
-        if self._session is None or self._session.closed:
-            from IPython.core.error import UsageError
-
-            raise UsageError(f"%{magic}: no ranks are running: %dist_init -n N starts them")
-        return self._session
-
-    def _call(self, fn: Callable[[], Any]) -> Any:
-        """A session call; an interrupt reads as one, other errors keep their own display."""
-        try:
-            return fn()
-        except KeyboardInterrupt as e:
-            show_briefly(e, [_INTERRUPTED])
-            raise
-        except TimeoutError as e:
-            show_briefly(e)
-            raise
-        except (NameError, PayloadError) as e:  # a pull's: the message says it all
-            show_briefly(e)
-            raise
-
-    def _run_cell(self, cell: str, header: Optional[str], ranks: Optional[list[int]], both: bool) -> None:
-        """Run a rank cell: its pieces in order (kernel lines in the kernel, code on ``ranks``)."""
-        shell = self._sh
-        s = self._require("distributed" if ranks is None else "rank")
-        view = self._cell_view(ranks)
-        # The ranks compile the cell under the file name the frontend gives it (the hash of the text
-        # it sent), so a breakpoint set in the cell's gutter stops them at that line.
-        cell_text = self._router.raw_cell_of(cell, header)
-        if cell_text is None:
-            cell_text = cell if header is None else f"{header}\n{cell}"
-        first = 1 if header is None else 2
-        filename = shell.compile.cache(cell_text, cell_number(shell))
-        plan = split_cell(cell, first)
-        for piece in plan.pieces:  # nothing runs when any part can't compile
-            if piece.kind != "kernel":
-                self._parse(piece.source + ("\n" + piece.setup if piece.setup else ""), filename)
-        if both:
-            self._run_in_kernel(cell, first, filename)
-        quiet = ends_with_semicolon(cell)
-        for i, piece in enumerate(plan.pieces):
-            last = i == len(plan.pieces) - 1
-            if piece.kind == "kernel":
-                if not both:  # with --to both the kernel ran it already
-                    self._run_kernel_line(piece, filename)
-                continue
-            self._send_missing_names(piece, s, ranks)
+                %%distributed --to both
+                def loss_fn(out, y):
+                    return ((out - y) ** 2).mean()
+            """
             try:
-                if piece.kind == "ranks":
-                    values = self._call(lambda p=piece: s.run(p.source, ranks=ranks, timeout=self._timeout,
-                                                              filename=filename, display=view))
-                elif piece.kind == "time":
-                    values = self._call(lambda p=piece: s.apply(onrank.time_code, p.source, filename, cell_text,
-                                                                ranks=ranks, timeout=self._timeout))
-                else:
-                    values = self._timeit(s, piece, ranks, filename, cell_text)
-                    if piece.target:
-                        self._sh.user_ns[piece.target], values = values, None
-            except RankError as e:
-                view.error(e)  # tabs: in the failing rank's tab too; the cell fails as ever
-                raise
-            if last and not quiet and values:
-                view.values(values)
+                args = parse_argstring(self.distributed, line)
+            except UsageError as e:
+                raise usage("distributed", str(e), "%%distributed [--to ranks|both]") from None
+            if args.auto and self.state.router.in_silent_cell():
+                self._run_in_kernel(cell, 1, self._sh.compile.cache(cell, cell_number(self._sh)), show=False)
+                return
+            header = None if args.auto else f"%%distributed {line}".rstrip()
+            self._run_cell(cell, header, ranks=None, both=args.to == "both")
 
-    def _parse(self, source: str, filename: str) -> ast.Module:
-        try:
-            return ast.parse(source, filename)
-        except SyntaxError as e:
-            e.filename = filename
-            raise CellSyntaxError(e, self._sh.SyntaxTB.structured_traceback(SyntaxError, e, [])) from None
+        @cell_magic
+        def rank(self, line: str, cell: str) -> None:
+            """Run this cell on the ranks listed: ``%%rank [0]``, ``%%rank [0,2]``, ``%%rank [0-2]``
+            (``%%rank[0]`` works too).
 
-    def _send_missing_names(self, piece: Piece, s, ranks: Optional[list[int]]) -> None:
-        """Names the piece reads that a rank lacks and the notebook has: to that rank, with a note."""
-        module = self._parse(piece.setup + "\n" + piece.source if piece.setup else piece.source, "<cell>")
-        names = notebook_names_for(module, self.shell)
-        if not names:
-            return
-        lacking = self._call(lambda: s.missing_names(names, ranks))
-        by_names: dict[tuple[str, ...], list[int]] = {}
-        for rank, missing in sorted(lacking.items()):
-            if missing:
-                by_names.setdefault(tuple(n for n in names if n in missing), []).append(rank)
-        for group, group_ranks in by_names.items():
-            values = {n: self._sh.user_ns[n] for n in group}
+            Example::
+
+                %%rank [0]
+                model = torch.nn.Linear(4, 2)
+            """
+            s = self.state.require("rank")
             try:
-                self._call(lambda r=group_ranks, v=values: s.push(r, **v))
-            except (KeyboardInterrupt, RankError):
+                ranks = parse_ranks(line, s.world_size)
+            except ValueError as e:
+                raise usage("rank", str(e), "%%rank [0,1] | [0-2]") from None
+            self._run_cell(cell, f"%%rank {line}".rstrip(), ranks=ranks, both=False)
+
+        @cell_magic
+        def local(self, line: str, cell: str) -> None:
+            """Run this cell in the kernel only, also while automatic mode is on.
+
+            Example::
+
+                %%local
+                import matplotlib.pyplot as plt
+            """
+            # A %%local cell the user runs never gets here: the router turns its first line
+            # into a comment and IPython runs it natively. This is run_cell_magic("local", ...).
+            self.state.router.in_kernel += 1
+            try:
+                result = self._sh.run_cell(cell, store_history=False)
+            finally:
+                self.state.router.in_kernel -= 1
+            if result.error_in_exec is not None or result.error_before_exec is not None:
+                error = result.error_in_exec or result.error_before_exec
+                show_briefly(error, [])  # shown above already
+                raise error
+
+        # -- running a rank cell -----------------------------------------------------------
+
+        def _run_cell(self, cell: str, header: Optional[str], ranks: Optional[list[int]], both: bool) -> None:
+            """Run a rank cell: its pieces in order (kernel lines in the kernel, code on ``ranks``)."""
+            shell = self._sh
+            s = self.state.require("distributed" if ranks is None else "rank")
+            view = self._cell_view(ranks)
+            # The ranks compile the cell under the file name the frontend gives it (the hash of the text
+            # it sent), so a breakpoint set in the cell's gutter stops them at that line.
+            cell_text = self.state.router.raw_cell_of(cell, header)
+            if cell_text is None:
+                cell_text = cell if header is None else f"{header}\n{cell}"
+            first = 1 if header is None else 2
+            filename = shell.compile.cache(cell_text, cell_number(shell))
+            plan = split_cell(cell, first)
+            for piece in plan.pieces:  # nothing runs when any part can't compile
+                if piece.kind != "kernel":
+                    self._parse(piece.source + ("\n" + piece.setup if piece.setup else ""), filename)
+            if both:
+                self._run_in_kernel(cell, first, filename)
+            quiet = ends_with_semicolon(cell)
+            for i, piece in enumerate(plan.pieces):
+                last = i == len(plan.pieces) - 1
+                if piece.kind == "kernel":
+                    if not both:  # with --to both the kernel ran it already
+                        self._run_kernel_line(piece, filename)
+                    continue
+                self._send_missing_names(piece, s, ranks)
+                try:
+                    if piece.kind == "ranks":
+                        values = self.state.call(lambda p=piece: s.run(
+                            p.source, ranks=ranks, timeout=self.state.timeout, filename=filename, display=view))
+                    elif piece.kind == "time":
+                        values = self.state.call(lambda p=piece: s.apply(
+                            on_ranks.time_code, p.source, filename, cell_text, ranks=ranks, timeout=self.state.timeout))
+                    else:
+                        values = self._timeit(s, piece, ranks, filename, cell_text)
+                        if piece.target:
+                            self._sh.user_ns[piece.target], values = values, None
+                except RankError as e:
+                    view.error(e)  # tabs: in the failing rank's tab too; the cell fails as ever
+                    raise
+                if last and not quiet and values:
+                    view.values(values)
+
+        def _parse(self, source: str, filename: str) -> ast.Module:
+            try:
+                return ast.parse(source, filename)
+            except SyntaxError as e:
+                e.filename = filename
+                raise CellSyntaxError(e, self._sh.SyntaxTB.structured_traceback(SyntaxError, e, [])) from None
+
+        def _send_missing_names(self, piece: Piece, s, ranks: Optional[list[int]]) -> None:
+            """Names the piece reads that a rank lacks and the notebook has: to that rank, with a note."""
+            module = self._parse(piece.setup + "\n" + piece.source if piece.setup else piece.source, "<cell>")
+            names = notebook_names_for(module, self.shell)
+            if not names:
+                return
+            lacking = self.state.call(lambda: s.missing_names(names, ranks))
+            by_names: dict[tuple[str, ...], list[int]] = {}
+            for rank, missing in sorted(lacking.items()):
+                if missing:
+                    by_names.setdefault(tuple(n for n in names if n in missing), []).append(rank)
+            for group, group_ranks in by_names.items():
+                values = {n: self._sh.user_ns[n] for n in group}
+                try:
+                    self.state.call(lambda r=group_ranks, v=values: s.push(r, **v))
+                except (KeyboardInterrupt, RankError):
+                    raise
+                except Exception as e:
+                    kinds = ", ".join(f"{n!r} ({type(v).__name__})" for n, v in values.items())
+                    show_briefly(e, [f"{type(e).__name__}: the cell uses the notebook's {kinds}, which "
+                                     f"rank {rank_list(group_ranks)} lacks, and it cannot be sent: {e}. "
+                                     "Define it in a cell that runs on the ranks."])
+                    raise
+                print(f"[mpify_nb] sent from the notebook to rank {rank_list(group_ranks)}: {', '.join(group)}")
+
+        def _run_kernel_line(self, piece: Piece, filename: str) -> None:
+            """A %magic / !shell / help line of a rank cell, run in the kernel in its turn."""
+            code = self._sh.transform_cell(piece.source)
+            exec(compile("\n" * (piece.lineno - 1) + code, filename, "exec"), self._sh.user_ns)
+
+        def _run_in_kernel(self, cell: str, first: int, filename: str, show: bool = True) -> None:
+            """``--to both``: the cell in the kernel, its value shown as ``[kernel]``; an error
+            shows the cell's frames only and fails the cell."""
+            shell = self._sh
+            self.state.router.in_kernel += 1
+            try:
+                code = shell.transform_cell(cell)
+            finally:
+                self.state.router.in_kernel -= 1
+            module = self._parse("\n" * (first - 1) + code, filename)
+            tail = None
+            if module.body and isinstance(module.body[-1], ast.Expr):
+                tail = ast.Expression(cast(ast.Expr, module.body.pop()).value)
+            try:
+                exec(compile(module, filename, "exec"), shell.user_ns)
+                value = eval(compile(tail, filename, "eval"), shell.user_ns) if tail is not None else None
+            except BaseException as e:
+                tb = e.__traceback__
+                while tb is not None and tb.tb_frame.f_code.co_filename != filename:
+                    tb = tb.tb_next
+                if tb is not None and not isinstance(e, KeyboardInterrupt):
+                    stb = shell.InteractiveTB.structured_traceback(type(e), e, tb)
+                    show_briefly(e, ["[kernel]", *stb] if isinstance(stb, list) else None)
                 raise
-            except Exception as e:
-                kinds = ", ".join(f"{n!r} ({type(v).__name__})" for n, v in values.items())
-                show_briefly(e, [f"{type(e).__name__}: the cell uses the notebook's {kinds}, which "
-                                 f"rank {_rank_list(group_ranks)} lacks, and it cannot be sent: {e}. "
-                                 "Define it in a cell that runs on the ranks."])
-                raise
-            print(f"[mpify_nb] sent from the notebook to rank {_rank_list(group_ranks)}: {', '.join(group)}")
+            if show and value is not None and not ends_with_semicolon(cell):
+                self._show_values({"kernel": value})
 
-    def _run_kernel_line(self, piece: Piece, filename: str) -> None:
-        """A %magic / !shell / help line of a rank cell, run in the kernel in its turn."""
-        code = self._sh.transform_cell(piece.source)
-        exec(compile("\n" * (piece.lineno - 1) + code, filename, "exec"), self._sh.user_ns)
+        def _timeit(self, s, piece: Piece, ranks: Optional[list[int]], filename: str, cell_text: str):
+            """%timeit on the ranks: the kernel picks the loop count, so every rank loops as often."""
+            from IPython.core.magics.execution import TimeitResult
 
-    def _run_in_kernel(self, cell: str, first: int, filename: str, show: bool = True) -> None:
-        """``--to both``: the cell in the kernel, its value shown as ``[kernel]``; an error
-        shows the cell's frames only and fails the cell."""
-        shell = self._sh
-        self._router.in_kernel += 1
-        try:
-            code = shell.transform_cell(cell)
-        finally:
-            self._router.in_kernel -= 1
-        module = self._parse("\n" * (first - 1) + code, filename)
-        tail = None
-        if module.body and isinstance(module.body[-1], ast.Expr):
-            tail = ast.Expression(cast(ast.Expr, module.body.pop()).value)
-        try:
-            exec(compile(module, filename, "exec"), shell.user_ns)
-            value = eval(compile(tail, filename, "eval"), shell.user_ns) if tail is not None else None
-        except BaseException as e:
-            tb = e.__traceback__
-            while tb is not None and tb.tb_frame.f_code.co_filename != filename:
-                tb = tb.tb_next
-            if tb is not None and not isinstance(e, KeyboardInterrupt):
-                stb = shell.InteractiveTB.structured_traceback(type(e), e, tb)
-                show_briefly(e, ["[kernel]", *stb] if isinstance(stb, list) else None)
-            raise
-        if show and value is not None and not ends_with_semicolon(cell):
-            self._show_values({"kernel": value})
+            opts, _ = self.parse_options(piece.options + " _", "n:r:qop:t:c", posix=False, strict=False)
+            number = int(opts.get("n", 0)) or None
+            repeat = int(opts.get("r", 7))
+            precision = int(opts.get("p", 3))
 
-    def _timeit(self, s, piece: Piece, ranks: Optional[list[int]], filename: str, cell_text: str):
-        """%timeit on the ranks: the kernel picks the loop count, so every rank loops as often."""
-        from IPython.core.magics.execution import TimeitResult
+            def loops(n: int, r: int) -> dict:
+                return self.state.call(lambda: s.apply(on_ranks.timeit_loops, piece.source, piece.setup, filename,
+                                                       cell_text, n, r, ranks=ranks, timeout=self.state.timeout))
 
-        opts, _ = self.parse_options(piece.options + " _", "n:r:qop:t:c", posix=False, strict=False)
-        number = int(opts.get("n", 0)) or None
-        repeat = int(opts.get("r", 7))
-        precision = int(opts.get("p", 3))
+            if number is None:  # IPython's autorange, agreed by all ranks: the slowest one decides
+                number = 1
+                for power in range(10):
+                    number = 10 ** power
+                    if max(t[0] for t in loops(number, 1).values()) >= 0.2:
+                        break
+            results = {rank: TimeitResult(number, repeat, min(t) / number, max(t) / number, t, 0, precision)
+                       for rank, t in sorted(loops(number, repeat).items())}
+            if "q" not in opts:
+                print("\n".join(labelled(rank, str(result)) for rank, result in results.items()))
+            return results if "o" in opts or piece.target else None
 
-        def loops(n: int, r: int) -> dict:
-            return self._call(lambda: s.apply(onrank.timeit_loops, piece.source, piece.setup, filename,
-                                              cell_text, n, r, ranks=ranks, timeout=self._timeout))
+        def _cell_view(self, ranks: Optional[list[int]]):
+            """The view of the cell starting now (tabs fall back to lines where widgets cannot show)."""
+            s = self.state.session
+            targets = list(range(s.world_size)) if ranks is None else list(ranks)
+            kind = self.state.view if self.state.view != "tabs" or tabs_unavailable(self._sh) is None else "lines"
+            return make_view(kind, self._sh, targets)
 
-        if number is None:  # IPython's autorange, agreed by all ranks: the slowest one decides
-            number = 1
-            for power in range(10):
-                number = 10 ** power
-                if max(t[0] for t in loops(number, 1).values()) >= 0.2:
-                    break
-        results = {rank: TimeitResult(number, repeat, min(t) / number, max(t) / number, t, 0, precision)
-                   for rank, t in sorted(loops(number, repeat).items())}
-        if "q" not in opts:
-            print("\n".join(labelled(rank, str(result)) for rank, result in results.items()))
-        return results if "o" in opts or piece.target else None
+        def _show_values(self, values: dict) -> None:
+            make_view("lines", self._sh, []).values(values)
 
-    def _cell_view(self, ranks: Optional[list[int]]):
-        """The view of the cell starting now (tabs fall back to lines where widgets cannot show)."""
-        s = self._session
-        targets = list(range(s.world_size)) if ranks is None else list(ranks)
-        kind = self.view if self.view != "tabs" or tabs_unavailable(self._sh) is None else "lines"
-        return make_view(kind, self._sh, targets)
-
-    def _show_values(self, values: dict) -> None:
-        make_view("lines", self._sh, []).values(values)
-
-
-def _rank_list(ranks) -> str:
-    return ", ".join(str(r) for r in ranks)
+    return RankCellMagics

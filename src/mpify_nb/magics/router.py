@@ -1,4 +1,5 @@
-"""Where a cell goes in automatic mode, and which ranks a ``%%rank`` line names.
+"""Automatic mode: ``%dist_mode`` turns it on or off, and where a cell goes while it is on; which
+ranks a ``%%rank`` line names.
 
 ``CellRouter`` is IPython's input transformer while the magics are loaded: in automatic mode
 it turns an ordinary cell into ``%%distributed --auto`` (auto.route decides), and it knows
@@ -12,10 +13,12 @@ request, code the magics run there themselves)::
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Optional
 
 from .auto import normalize_header, route
+from .state import SessionState, usage
 
 
 class CellRouter:
@@ -107,3 +110,41 @@ def parse_ranks(spec: str, world_size: int) -> list[int]:
         raise ValueError(f"rank {', '.join(map(str, wrong))} does not exist (ranks are 0..{world_size - 1})")
     return sorted(ranks)
 
+
+@functools.cache
+def mode_magics_class() -> type:
+    """Build the Magics class (on first use, not at import)."""
+    from IPython.core.magic import Magics, line_magic, magics_class
+
+    @magics_class
+    class ModeMagics(Magics):
+        """%dist_mode: automatic mode on or off."""
+
+        def __init__(self, shell: Any, state: SessionState):
+            super().__init__(shell)
+            self.state = state
+
+        @line_magic
+        def dist_mode(self, line: str) -> None:
+            """Automatic mode on or off; without an argument, show it.
+
+            On: every ordinary cell runs on all ranks. Off: cells run in the kernel, and
+            %%distributed / %%rank send one to the ranks. (nbdistributed's --enable/-e and
+            --disable/-d work too.)
+
+            Example::
+
+                %dist_mode off
+            """
+            arg = line.strip()
+            if arg in ("on", "--enable", "-e"):
+                self.state.require("dist_mode")
+                self.state.router.automatic = True
+            elif arg in ("off", "--disable", "-d"):
+                self.state.router.automatic = False
+            elif arg:
+                raise usage("dist_mode", f"expected on or off, not {arg!r}", "%dist_mode [on|off]")
+            print(f"Automatic mode is {'on' if self.state.router.automatic else 'off'}"
+                  + (": every cell runs on all ranks" if self.state.router.automatic else ": cells run in the kernel"))
+
+    return ModeMagics

@@ -21,29 +21,35 @@ Where a cell goes (the kernel is never a rank)::
                  <── through the cell's view (views.py): live "[rank k] ..." lines, rich
                      display in rank order, values by rank; or a tab per rank. Errors.
 
-The Session (session/session.py, a package beside magics/) owns the processes, the channels, output
-relay, interrupts and errors. This module builds the one magics class and holds the default
-session; its magics come from two mixins, each with a job: the session's life (lifecycle.py:
-%dist_init, %dist_shutdown, %dist_reset, %dist_restart, %dist_debug, %dist_view, %dist_status, %dist_where)
-and cells and data (cells_and_data.py: %%distributed, %%rank, %%local, %dist_push, %dist_pull,
-%sync, %dist_mode). Running a rank cell is rank_cells.py's job (their common base), where a
-cell goes router.py's, the status table status.py's.
+The Session (session/session.py, a package beside magics/) owns the processes, the channels,
+output relay, interrupts and errors. This module holds the default session and registers the
+session magics: one Magics class per group of them, each given the one SessionState they share
+(state.py), none mixed into another::
+
+    SessionState ──┬── LifecycleMagics (lifecycle.py)   %dist_init %dist_shutdown %dist_reset
+                   │                                     %dist_restart %dist_debug %dist_status %dist_where
+                   ├── RankCellMagics  (rank_cells.py)  %%distributed %%rank %%local
+                   ├── DataMagics      (data.py)        %dist_push %dist_pull %sync
+                   ├── ViewMagics      (views.py)       %dist_view
+                   └── ModeMagics      (router.py)      %dist_mode
 """
 
 from __future__ import annotations
 
 import atexit
-import functools
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from .cell import name_magic_calls_apart
-from .cells_and_data import cells_and_data_class
-from .lifecycle import session_lifecycle_class
-from .router import CellRouter, parse_ranks
+from .data import data_magics_class
+from .lifecycle import lifecycle_magics_class
+from .rank_cells import rank_cell_magics_class
+from .router import CellRouter, mode_magics_class, parse_ranks
+from .state import SessionState
 from .status import format_bytes, status_table
+from .views import view_magics_class
 
-#: The magics object of the running shell (None before %load_ext): holds the default session.
-_current: Optional[Any] = None
+#: The session magics of the running shell (None before %load_ext): hold the default session.
+_current: Optional[Loaded] = None
 
 
 def session():
@@ -55,64 +61,60 @@ def session():
         from mpify_nb.magics.session import session
         session().pull("x", rank=None)
     """
-    return None if _current is None else _current._session
+    return None if _current is None else _current.state.session
+
+
+def magics_classes() -> tuple[type, ...]:
+    """The session magics' classes, one per group (built on first use: they need IPython)."""
+    return (lifecycle_magics_class(), rank_cell_magics_class(), data_magics_class(), view_magics_class(),
+            mode_magics_class())
+
+
+class Loaded:
+    """The session magics in one shell: their shared state, the groups registered with it, and
+    automatic mode's router in IPython's input transformers and events."""
+
+    def __init__(self, shell: Any) -> None:
+        self.shell = shell
+        self.state = SessionState(CellRouter())
+        self.lifecycle = lifecycle_magics_class()(shell, self.state)  # it forgets the session at unload
+        for group in (self.lifecycle, *(cls(shell, self.state) for cls in magics_classes()[1:])):
+            shell.register_magics(group)
+        router = self.state.router
+        shell.input_transformers_cleanup.insert(0, router)
+        shell.events.register("pre_execute", router.pre_execute)
+        shell.events.register("pre_run_cell", router.pre_run_cell)
+        shell.events.register("post_execute", router.post_execute)
+        self._undo_names = name_magic_calls_apart(shell)  # line 1 of a rank cell: the ranks', not the magic's
+        atexit.register(self.lifecycle.forget)
+
+    def unload(self) -> None:
+        """Stop the ranks, take automatic mode's router out of IPython."""
+        self.lifecycle.forget()
+        self._undo_names()
+        router = self.state.router
+        if router in self.shell.input_transformers_cleanup:
+            self.shell.input_transformers_cleanup.remove(router)
+        for event, fn in (("pre_execute", router.pre_execute),
+                          ("pre_run_cell", router.pre_run_cell),
+                          ("post_execute", router.post_execute)):
+            try:
+                self.shell.events.unregister(event, fn)
+            except ValueError:
+                pass
 
 
 def load(ipython) -> None:
     """Register the session magics and automatic mode's input transformer."""
     global _current
-    magics = session_magics_class()(ipython)
-    ipython.register_magics(magics)
-    _current = magics
+    _current = Loaded(ipython)
 
 
 def unload(ipython) -> None:
     global _current
     if _current is not None:
-        _current._forget()
-        _current._router_remove()
+        _current.unload()
         _current = None
-
-
-@functools.cache
-def session_magics_class() -> type:
-    """Build the Magics class (here, not at import: ranks import this package and have no IPython)."""
-    from IPython.core.magic import Magics, magics_class
-
-    # The mixins' magics are recorded by IPython's decorators as their classes are built, and
-    # taken by the next @magics_class: this one, right after, in this thread.
-    lifecycle, cells_and_data = session_lifecycle_class(), cells_and_data_class()
-
-    @magics_class
-    class SessionMagics(lifecycle, cells_and_data, Magics):
-        """Persistent ranks: %dist_init, automatic mode, %%distributed, %%rank, %%local, ..."""
-
-        def __init__(self, shell):
-            super().__init__(shell)
-            self._session: Any = None
-            self._timeout: Optional[float] = None
-            self._ipython_debug: Optional[Callable[[str], Any]] = None  # IPython's own %debug
-            self._router = CellRouter()
-            shell.input_transformers_cleanup.insert(0, self._router)
-            shell.events.register("pre_execute", self._router.pre_execute)
-            shell.events.register("pre_run_cell", self._router.pre_run_cell)
-            shell.events.register("post_execute", self._router.post_execute)
-            self._undo_names = name_magic_calls_apart(shell)  # line 1 of a rank cell: the ranks', not the magic's
-            atexit.register(self._forget)
-
-        def _router_remove(self) -> None:
-            self._undo_names()
-            if self._router in self._sh.input_transformers_cleanup:
-                self._sh.input_transformers_cleanup.remove(self._router)
-            for event, fn in (("pre_execute", self._router.pre_execute),
-                              ("pre_run_cell", self._router.pre_run_cell),
-                              ("post_execute", self._router.post_execute)):
-                try:
-                    self._sh.events.unregister(event, fn)
-                except ValueError:
-                    pass
-
-    return SessionMagics
 
 
 __all__ = ["session", "parse_ranks", "status_table", "format_bytes", "CellRouter", "load"]

@@ -28,6 +28,7 @@ sent at once. Without ipywidgets, or without a kernel that has comms, tabs fall 
 
 from __future__ import annotations
 
+import functools
 import html
 import itertools
 import re
@@ -35,6 +36,7 @@ import uuid
 from typing import Any, Optional
 
 from .cell import labelled
+from .state import SessionState, usage
 
 VIEWS = ("lines", "tabs")
 
@@ -48,6 +50,58 @@ def tabs_unavailable(shell: Any) -> Optional[str]:
     if getattr(shell, "kernel", None) is None:  # a terminal IPython: no frontend, no comms
         return "this frontend has no Jupyter kernel with comms"
     return None
+
+
+@functools.cache
+def view_magics_class() -> type:
+    """Build the Magics class (on first use, not at import)."""
+    from IPython.core.magic import Magics, line_magic, magics_class
+
+    @magics_class
+    class ViewMagics(Magics):
+        """%dist_view: labelled lines or a tab per rank."""
+
+        def __init__(self, shell: Any, state: SessionState):
+            super().__init__(shell)
+            self.state = state
+            self._sh: Any = shell  # IPython's shell (never None once registered)
+
+        @line_magic
+        def dist_view(self, line: str) -> None:
+            """How persistent cells show the ranks' output; without an argument, say which.
+
+            ``lines`` (the default): each line labelled ``[rank k]``, live; figures, displays
+            and values in rank order. ``tabs``: one tab per rank (ipywidgets Tab and Output),
+            each rank's streams, figures, values, errors and widgets in its own tab, live.
+            Where widgets cannot show (no ipywidgets, no Jupyter kernel) tabs fall back to lines.
+
+            Example::
+
+                %dist_view tabs
+            """
+            arg = line.strip()
+            if arg and arg not in VIEWS:
+                raise usage("dist_view", f"expected one of {', '.join(VIEWS)}, not {arg!r}",
+                            "%dist_view [lines|tabs]")
+            if arg:
+                set_view(self.state, self._sh, arg)
+                return
+            print(f"View: {self.state.view}" + (" (one tab per rank)" if self.state.view == "tabs" else
+                                               " (labelled lines; %dist_view tabs for one tab per rank)"))
+
+    return ViewMagics
+
+
+def set_view(state: SessionState, shell: Any, kind: str) -> None:
+    """Show cells' output as ``kind`` ("lines" or "tabs") from the next cell, and say so."""
+    state.view = kind
+    why = tabs_unavailable(shell) if kind == "tabs" else None
+    if why is not None:
+        print(f"View: tabs, shown as lines here ({why})")
+    elif kind == "tabs":
+        print("View: tabs (one tab per rank, from the next cell)")
+    else:
+        print("View: lines (each line labelled [rank k])")
 
 
 def make_view(kind: str, shell: Any, ranks: list[int]):

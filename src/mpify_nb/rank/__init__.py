@@ -2,7 +2,8 @@
 
 ``loop`` (every rank's one request loop; a ``ranch`` rank's one CALL), ``control`` (the control
 thread: stdin answers, interrupts, the caller's looks, the caller's death), ``session`` (a persistent rank's
-requests), ``group`` (its process group), ``stdin``, ``display`` and ``mpl_backend``, ``comms`` (widgets),
+requests), ``group`` (its process group), ``cells`` (what a rank runs for a notebook cell: a ``%%ranch``
+cell, ``%time``/``%timeit``, ``%sync``), ``stdin``, ``display`` and ``mpl_backend``, ``comms`` (widgets),
 ``debugger`` (the frontend's debugger panel: pydevd on a socketpair, relayed on the control channel)
 and ``process`` (what each of our processes does for itself). The caller's half of each capability is
 in ``engine/``.

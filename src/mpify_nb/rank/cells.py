@@ -1,4 +1,4 @@
-"""What a rank runs for a notebook cell: a ``%%ranch`` cell (``_run_cell_on_rank``), ``%time`` and
+"""What a rank runs for a notebook cell: a ``%%ranch`` cell (``run_cell``), ``%time`` and
 ``%timeit`` measured where the code runs, ``%sync``. The magics (magics/) send these functions to
 the ranks, with ``ranch`` or ``Session.apply``; they travel by reference, so a rank imports this
 module, which imports neither IPython nor torch (nor anything above the process boundary)::
@@ -114,7 +114,7 @@ def timeit_loops(stmt: str, setup: str, filename: str, cell_text: str, number: i
 
 # -- a %%ranch cell, on every rank --------------------------------------------------------------
 
-def _run_cell_on_rank(source: str, filename: str, send_value: bool = True) -> Any:
+def run_cell(source: str, filename: str, send_value: bool = True) -> Any:
     """Execute a cell in this process's ``__main__`` and return its last expression's value.
 
     On rank 0 (the notebook) ``__main__`` is the notebook's namespace; on the other
@@ -148,7 +148,7 @@ def _display_as_text(*objs: Any, **kwargs: Any) -> None:
         print(repr(obj))
 
 
-def _sync_on_rank() -> None:
+def sync() -> None:
     """%sync on a rank: CUDA work finished, then a barrier on the group."""
     import torch
     import torch.distributed as dist
@@ -159,4 +159,4 @@ def _sync_on_rank() -> None:
         dist.barrier()
 
 
-__all__ = ["time_code", "timeit_loops", "format_time"]
+__all__ = ["run_cell", "time_code", "timeit_loops", "format_time", "sync"]

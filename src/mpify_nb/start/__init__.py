@@ -1,9 +1,13 @@
 """Where a rank starts: the placement seam and what is behind it.
 
-``placement`` (the seam: a placer turns "rank r" into a running process; ``set_placement``),
-``template`` (the caller's handle on the warm process ranks are forked from; ``set_preload``),
+``placement`` (the seam: which placer turns "rank r" into a running process; ``set_placement``,
+``set_start_method``), ``placer`` (what a placer is: ``Layout``, ``RankProcess``), ``local``
+(this machine's placers: forked from the template, or spawned), ``template`` (the current warm
+process ranks are forked from, replaced and preloaded in the background; ``set_preload``,
+``shutdown``), ``template_client`` (the caller's handle on one template process),
 ``template_process`` (that process itself, which runs ``rank.loop.main`` in each fork),
-``preload`` (what the template learns to preload) and ``ray_ranks/`` (the ``"ray"`` placement).
+``environ`` (the environment our new interpreters start with), ``preload`` (what the template
+learns to preload) and ``ray_ranks/`` (the ``"ray"`` placement).
 
 It may import ``wire/``, ``torchdist/`` and ``rank/``.
 """

@@ -7,7 +7,8 @@ does nothing but fork ranks on request. It never touches CUDA, never runs user
 code and never starts threads, so a fork of it is as clean as a spawn: the
 notebook may have initialized CUDA, and nothing of one call leaks into the next.
 
-::
+The caller's handle on one template process is start/template_client.py's ``TemplateClient``;
+this module keeps the current one (and a candidate preloading beside it)::
 
     caller (TemplateClient)                  template (template_process.serve) rank
       | -- FORK id + fds [channel, out, err] -->|

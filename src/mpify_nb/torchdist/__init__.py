@@ -1,7 +1,8 @@
 """What mpify_nb knows of torch.distributed and the training libraries built on it.
 
 ``groups`` (GPU ids, the store's listening socket, torch's group count), ``waits`` (a look at a
-rank: what it waits in, from torch's flight recorder and its stack, and where it is; ``hidden_waits``:
+rank: what it waits in, from torch's flight recorder and its stack, and where it is; ``stacks``:
+what a thread's stack says, the call it is blocked in and the user's line; ``hidden_waits``:
 the stack and CPU time standing in for gloo's recorder before torch 2.8), ``recorder`` (the
 recorder's dumps, gloo's and NCCL's, read as ops), ``p2p`` (the peer and tag ``isend``/``irecv``
 note beside their ``Work``, which gloo records nowhere), ``libraries`` (what accelerate, Lightning

@@ -11,7 +11,7 @@ caller's own rank of a ``ranch`` call::
                               its tensors' sizes and dtypes, done or not. NCCL records its
                               sends and recvs too; gloo does not.
     the thread's stack        the torch.distributed call it is blocked in (a send's peer and
-    (blocked_call)            tag, a broadcast's src: the recorder keeps no roots), a
+    (stacks.py)               tag, a broadcast's src: the recorder keeps no roots), a
                               ``Work.wait()``, a DDP forward; else the line it runs, or the
                               function it is blocked in (``sleep()``), and its user's line.
     hidden_waits.py           where gloo has no recorder (torch < 2.8): a wait deeper in
