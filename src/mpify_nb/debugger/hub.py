@@ -29,15 +29,14 @@ debugger is attached on in the background.
 from __future__ import annotations
 
 import ast
-import asyncio
 import contextvars
 import json
 import os
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from .ids import FRAME, THREAD, VARIABLE
-from .links import ANSWER_TIMEOUT, REPLY_WITHIN, RankLink, untraced_thread
+from .links import ANSWER_TIMEOUT, REPLY_WITHIN, RankLink, off_the_kernels_threads
 from .ranks import RankSide
 
 #: Requests that resume a thread.
@@ -109,31 +108,6 @@ class Hub(RankSide):
             return reply(request, False, message=f"the kernel's debugger could not answer "
                                                  f"{request.get('command', '')!r}: {type(e).__name__}: {e}")
 
-    async def _blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` on a thread the kernel's debugpy never suspends; the control loop stays
-        free meanwhile."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
-
-        def settle(result: Any, error: Optional[BaseException]) -> None:
-            if done.done():
-                return
-            if error is not None:
-                done.set_exception(error)
-            else:
-                done.set_result(result)
-
-        def work() -> None:
-            try:
-                result = fn(*args)
-            except BaseException as e:  # handed to the request's coroutine, which answers with it
-                loop.call_soon_threadsafe(settle, None, e)
-            else:
-                loop.call_soon_threadsafe(settle, result, None)
-
-        untraced_thread(work, "mpify_nb-debugger-wait").start()
-        return await done
-
     async def _ask(self, link: RankLink, request: dict, command: Optional[str] = None,
                    arguments: Optional[dict] = None) -> dict:
         """``request`` (the frontend's; or ``command``/``arguments`` on its behalf) on rank
@@ -144,7 +118,7 @@ class Hub(RankSide):
             if arguments is None:
                 return reply(request, False, message="this id is stale: the rank ran on since")
         pending = link.send(command, arguments)
-        await self._blocking(self.waiter.wait, [pending], self._left())
+        await off_the_kernels_threads(self.waiter.wait, [pending], self._left())
         why = pending.failure()
         if why:
             return reply(request, False, message=why)
@@ -203,7 +177,7 @@ class Hub(RankSide):
         answer = await self._kernel(request)
         if answer.get("success"):
             self.attached = True
-            failures = await self._blocking(self.attach_all, self._left())
+            failures = await off_the_kernels_threads(self.attach_all, self._left())
             if failures:
                 answer = dict(answer, message="; ".join(failures))
         return answer
@@ -211,7 +185,7 @@ class Hub(RankSide):
     async def _on_disconnect(self, request: dict) -> dict:
         if self.attached:
             self.attached = False
-            await self._blocking(self.detach_all, self._left())
+            await off_the_kernels_threads(self.detach_all, self._left())
         with self._lock:
             self._breakpoints.clear()
             self._other_setup.clear()
@@ -265,17 +239,18 @@ class Hub(RankSide):
         """``command`` on every attached rank; why some failed."""
         pendings = [link.send(command, arguments) for link in self.links()]
         if pendings:
-            await self._blocking(self.waiter.wait, pendings, self._left())
+            await off_the_kernels_threads(self.waiter.wait, pendings, self._left())
         return [p.failure() for p in pendings if p.failure()]
 
     async def _on_threads(self, request: dict) -> dict:
         if self.attached:
-            await self._blocking(self.attach_all, self._left() / 2)  # ranks started since the frontend attached
+            # ranks started since the frontend attached
+            await off_the_kernels_threads(self.attach_all, self._left() / 2)
         links = self.links()
         pendings = [link.send("threads") for link in links]
         kernel = await self._kernel(request)
         if pendings:
-            await self._blocking(self.waiter.wait, pendings, self._left())
+            await off_the_kernels_threads(self.waiter.wait, pendings, self._left())
         threads: list[dict] = []
         for pending in pendings:
             if pending.answer is None or not pending.answer.get("success"):
@@ -361,7 +336,7 @@ class Hub(RankSide):
             if not answer.get("success"):
                 failures.append(f"kernel: {answer.get('message') or command + ' failed'}")
         if pendings:
-            await self._blocking(self.waiter.wait, pendings, self._left())
+            await off_the_kernels_threads(self.waiter.wait, pendings, self._left())
             failures += [p.failure() for p in pendings if p.failure()]
         if single:
             self.threads.republish_latest()

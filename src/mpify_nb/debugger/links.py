@@ -18,11 +18,12 @@ others do.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import threading
 import time
-from typing import Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 from ..engine.core import Engine
 from ..engine.members import Member
@@ -44,6 +45,33 @@ def untraced_thread(target: Callable[[], None], name: str) -> threading.Thread:
     other thread it traces, and a wait for the ranks on such a thread would never end (the
     panel wedged: every later request queues behind it on the control channel)."""
     return untraced(threading.Thread(target=target, name=name, daemon=True))
+
+
+
+async def off_the_kernels_threads(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` on a thread the kernel's debugpy never suspends; the control loop stays
+    free meanwhile."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def settle(result: Any, error: Optional[BaseException]) -> None:
+        if done.done():
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)
+
+    def work() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as e:  # handed to the request's coroutine, which answers with it
+            loop.call_soon_threadsafe(settle, None, e)
+        else:
+            loop.call_soon_threadsafe(settle, result, None)
+
+    untraced_thread(work, "mpify_nb-debugger-wait").start()
+    return await done
 
 
 T = TypeVar("T", bound=threading.Thread)
