@@ -189,20 +189,24 @@ class RankExitedError(RankError):
 
 
 class CollectiveError(RankError):
-    """Ranks waited in collectives that can never finish: one that other ranks never joined, or
-    collectives that cannot match (another op, other sizes or dtypes, another src, each rank
-    receiving from the other). Raised by a :class:`~mpify_nb.Session` (the group is rebuilt
-    afterwards) and by ``ranch`` (every rank is stopped).
+    """The ranks called collectives that cannot match (another op, src or dst, reduce op, dtypes
+    or sizes), found before any entered them (the collective check, ``set_collective_checks``);
+    or ranks waited in collectives that can never finish: one that other ranks never joined, or
+    that cannot match, each rank receiving from the other. Raised by a :class:`~mpify_nb.Session`
+    (the group works as it was, or is rebuilt) and by ``ranch`` (every rank is stopped); on a
+    rank, inside its code, by the check itself.
 
     Attributes:
-        waiting: the ranks that were blocked.
+        waiting: the ranks that were blocked (the check's: the ranks of the group).
         missing: the ranks that never joined (idle, finished, returned, or failed: see ``errors``).
         errors: what the missing ranks raised meanwhile, if anything (``RankRaisedError``s).
         rebuilt: True when the process group was rebuilt afterwards (the next collective works);
-            None for a ``ranch`` call (its ranks were stopped).
+            False when it was not (the check's: no rank entered the collective, the group works
+            as it was); None for a ``ranch`` call (its ranks were stopped).
         kind: "absent", "mismatch", "wrong value" or "deadlock".
         culprit: for "wrong value", the rank that returned from the collective with a wrong value.
         after: what became of the ranks, said after ``what`` (default: from ``rebuilt``).
+        mismatch: the check's: each rank's call and line (else None).
 
     A Session keeps every rank's Python state; objects made on the old group (a DDP wrapper, a
     subgroup) must be made again.
@@ -250,9 +254,23 @@ class CollectiveError(RankError):
         if self.errors:  # the root cause first: what the missing ranks raised, each distinct error once
             msg = f"{merge_rank_errors(self.errors)}\n\nMeanwhile {msg}"
         root = (self.errors[0].rank if self.errors else culprit if culprit is not None
-                else self.missing[0] if self.missing else self.waiting[0])
+                else self.missing[0] if self.missing else self.waiting[0] if self.waiting else 0)
         super().__init__(root, msg)
         self.ranks = self.missing or self.waiting
+        #: found by the collective check before any rank entered the collective: the ranks'
+        #: calls (a torchdist.checks.groups.Mismatch), else None
+        self.mismatch: Any = None
+
+    def __reduce__(self) -> Any:
+        # Its __init__ takes the parts, not the message: rebuilt from its state (a rank's travels).
+        return _rebuilt, (type(self), self.args, dict(self.__dict__))
+
+
+def _rebuilt(cls: type, args: tuple, state: dict) -> BaseException:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 class StdinUnavailableError(RuntimeError):
