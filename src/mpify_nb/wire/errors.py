@@ -189,27 +189,22 @@ class RankExitedError(RankError):
 
 
 class CollectiveError(RankError):
-    """The ranks called collectives that cannot match (another op, src or dst, reduce op, dtypes
-    or sizes), found before any entered them (the collective check, ``set_collective_checks``);
-    or ranks waited in collectives that can never finish: one that other ranks never joined, or
-    that cannot match, each rank receiving from the other. Raised by a :class:`~mpify_nb.Session`
-    (the group works as it was, or is rebuilt) and by ``ranch`` (every rank is stopped); on a
-    rank, inside its code, by the check itself.
+    """The ranks called collectives that cannot match, found before any entered them (the
+    collective check); or ranks waited in collectives that can never finish: one that other ranks
+    never joined, or that cannot match, each receiving from the other. Raised by a
+    :class:`~mpify_nb.Session` and ``ranch`` (every rank stopped), and on a rank by the check.
 
     Attributes:
         waiting: the ranks that were blocked (the check's: the ranks of the group).
         missing: the ranks that never joined (idle, finished, returned, or failed: see ``errors``).
         errors: what the missing ranks raised meanwhile, if anything (``RankRaisedError``s).
-        rebuilt: True when the process group was rebuilt afterwards (the next collective works);
-            False when it was not (the check's: no rank entered the collective, the group works
-            as it was); None for a ``ranch`` call (its ranks were stopped).
+        rebuilt: True when the process group was rebuilt (the next collective works); False when
+            not (the check's: no rank entered it, the group works); None for ``ranch``.
         kind: "absent", "mismatch", "wrong value" or "deadlock".
         culprit: for "wrong value", the rank that returned from the collective with a wrong value.
-        after: what became of the ranks, said after ``what`` (default: from ``rebuilt``).
-        mismatch: the check's: each rank's call and line (else None).
+        after: what became of the ranks (default: from ``rebuilt``); mismatch: the check's calls.
 
-    A Session keeps every rank's Python state; objects made on the old group (a DDP wrapper, a
-    subgroup) must be made again.
+    A Session keeps every rank's Python state; re-create what was made on a rebuilt group (DDP).
 
     Example (a notebook cell): rank 0 calls ``all_reduce`` alone.
 
@@ -257,18 +252,14 @@ class CollectiveError(RankError):
                 else self.missing[0] if self.missing else self.waiting[0] if self.waiting else 0)
         super().__init__(root, msg)
         self.ranks = self.missing or self.waiting
-        #: found by the collective check before any rank entered the collective: the ranks'
-        #: calls (a torchdist.checks.groups.Mismatch), else None
-        self.mismatch: Any = None
+        self.mismatch: Any = None  # the check's: a torchdist.checks.groups.Mismatch
 
-    def __reduce__(self) -> Any:
-        # Its __init__ takes the parts, not the message: rebuilt from its state (a rank's travels).
+    def __reduce__(self) -> Any:  # its __init__ takes the parts: a rank's travels as its state
         return _rebuilt, (type(self), self.args, dict(self.__dict__))
 
 
 def _rebuilt(cls: type, args: tuple, state: dict) -> BaseException:
-    error = cls.__new__(cls)
-    error.args = args
+    error = cls.__new__(cls, *args)  # BaseException's __new__ keeps the message
     error.__dict__.update(state)
     return error
 
