@@ -46,7 +46,7 @@ SPIN = 50e-6
 _SETUP_KEYS = "mpify_nb.check/setup/"
 
 
-class Aborted(RuntimeError):
+class CheckAborted(RuntimeError):
     """The group was aborted under a rank waiting in its check (a Session unsticking it)."""
 
 
@@ -194,7 +194,7 @@ class Group:
         if len(got) == len(rings):
             return True
         if self.aborted:
-            raise Aborted(f"the process group was aborted while this rank waited in {checking().kind}")
+            raise CheckAborted(f"the process group was aborted while this rank waited in {checking().kind}")
         if time.perf_counter() < spin_until:
             os.sched_yield()  # a peer in step is microseconds away; one on this core runs first
             return False
@@ -388,7 +388,7 @@ def _await_keys(store: Any, keys: list[str], checking: Callable[[], Op]) -> list
     pause = 1e-4
     while not store.check(keys):
         if _aborts[0] != aborts:
-            raise Aborted(f"the process group was aborted while this rank waited in {checking().kind}")
+            raise CheckAborted(f"the process group was aborted while this rank waited in {checking().kind}")
         time.sleep(pause)
         pause = min(pause * 2, SLICE)
     return [bytes(store.get(key)).decode() for key in keys]
@@ -414,7 +414,7 @@ def sweep() -> None:
 
 
 def abort_all() -> None:
-    """Every check waiting in this process raises Aborted (the Session aborts its groups)."""
+    """Every check waiting in this process raises CheckAborted (the Session aborts its groups)."""
     _aborts[0] += 1
     for group in list(_groups.values()):
         if group is not None:

@@ -165,7 +165,7 @@ def _set_up_new(made: Any, how: str) -> None:
         return
     try:
         groups.set_up(pg, lambda: Op(how))
-    except groups.Aborted:
+    except groups.CheckAborted:
         raise
     except Exception:
         pass  # that group goes unchecked; its calls work as torch's own
