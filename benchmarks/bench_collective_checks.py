@@ -11,7 +11,9 @@ comes and goes on the machine falls on both alike; each ratio is the median of t
 2. a DDP training loop (forward, backward, step; its bucket all-reduces run in C++, so only
    what the user calls through torch.distributed is checked: nothing here) (target <= 1.05x);
 3. a persistent trivial cell (``Session.run("1")``), the check on and off (target: within
-   noise, <= 1.10x), and for information a cell with one all_reduce.
+   noise, <= 1.10x), and for information a cell with one all_reduce;
+4. for information, the check's own work per call on a rank (no gloo, no waiting): what it
+   costs the CPU whatever the scheduler does.
 
 Run: ``.venv/bin/python benchmarks/bench_collective_checks.py [--quick] [--json PATH]``.
 """
@@ -70,6 +72,43 @@ def _loops(plan: list, pairs: int):
     return out
 
 
+def _own_work(reps: int) -> list[float]:
+    """The check's own work for one all_reduce of 4 B on a rank whose peer has published already
+    (describe, publish, read, compare), without gloo and without waiting: what every checked call
+    costs its rank's CPU, whatever the scheduler does. In this process, a world of one gloo group
+    with a table of two, the peer's slot written beforehand; seconds per call, per batch of 2000."""
+    import torch
+    import torch.distributed as dist
+
+    from mpify_nb.torchdist.checks import calls, groups, table, wrappers
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        shared = table.ShmTable.create(2)
+        group = groups.Group(pg, "0", None, (0, 1), 0, shared, frozenset({"cpu"}))
+        groups._groups[pg] = group
+        x = torch.ones(1)
+        peer = groups._joined(calls.encode(calls.describe("all_reduce", {"tensor": x}, group.group_rank)),
+                              calls.encode(("<peer>", 1)), 1 << 20)
+        params = ["tensor", "op", "group", "async_op"]
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for _ in range(2000):
+                shared.put(("c", 1), group.calls, peer)
+                wrappers._check("all_reduce", params, (x,), {}, True)
+            spent = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for _ in range(2000):
+                shared.put(("c", 1), group.calls, peer)  # the peer's publishing, not this rank's work
+            times.append((spent - (time.perf_counter() - t0)) / 2000)
+        return times
+    finally:
+        groups._groups.pop(pg, None)
+        dist.destroy_process_group()
+
+
 def _session(pairs: int) -> dict:
     """A Session's trivial cell and one-all_reduce cell: pairs of blocks, the check on and off in
     turns (the ranks learn each change before the next cell, an untimed one)."""
@@ -108,6 +147,7 @@ def main() -> int:
     plan = [(label, elements, steps[label]) for label, elements in SIZES]
     loops = ranch(2, _loops, plan, pairs, ctx=in_torchddp(), timeout=1800)[0]
     cells = _session(pairs)
+    own = _own_work(5 if args.quick else 15)
 
     def ratio(pair) -> tuple[float, float, float]:
         """Medians of each kind, and the median of each pair's ratio (a load that comes and goes
@@ -129,6 +169,9 @@ def main() -> int:
     on, off, r = ratio(cells["all_reduce"])
     results.append(Result("35.6", "Session cell with one all_reduce, on / off", r, "x",
                           detail=f"on {on * 1e3:.2f} ms, off {off * 1e3:.2f} ms"))
+    results.append(Result("35.7", "the check's own work per call (a rank, no waiting)", median(own) * 1e6, "us",
+                          detail=f"per batch: {', '.join(f'{t * 1e6:.1f}' for t in own)} us; DDP's ratio above, "
+                                 "which the check does not touch, shows this machine's noise"))
     return finish("the collective check's cost (issue 35)", results, args)
 
 
