@@ -238,3 +238,34 @@ def healthy(workload: str):
             w.wait()
         return None if rank == 0 else sum(b.item() for b in bufs)
     raise ValueError(workload)
+
+
+def line_of(text: str) -> int:
+    """The number of the line of this file that contains ``text``."""
+    from pathlib import Path
+
+    return next(i for i, line in enumerate(Path(__file__).read_text().splitlines(), 1) if text in line)
+
+
+def through_the_store():
+    """Ranks that share no host (as under Ray across nodes): a group's check goes through its store."""
+    import torch
+    import torch.distributed as dist
+    from mpify_nb.errors import CollectiveError
+
+    from mpify_nb.torchdist.checks import groups, table
+
+    rank = dist.get_rank()
+    table._host[:] = [f"another host, {rank}"]  # what host_identity() says on two machines
+    group = dist.new_group([0, 1])
+    kind = type(groups.known(group)[1].table).__name__
+    x = torch.ones(4, dtype=torch.float32 if rank == 0 else torch.float64)
+    try:
+        dist.all_reduce(x, group=group)  # through_the_store mismatch
+        caught = "no error"
+    except CollectiveError as e:
+        caught = str(e)
+    y = torch.ones(2) * (rank + 1)
+    for _ in range(3):  # the store's keys of two collectives back are deleted as the ranks go on
+        dist.all_reduce(y, group=group)
+    return kind, caught, y.tolist()

@@ -113,6 +113,15 @@ def test_a_rank_that_returns_while_rank_0_waits_in_the_check_is_named():
         f"line {hm.line_of('returns_early rank 0')}; {STOPPED}")
 
 
+def test_ranks_on_different_hosts_are_checked_through_the_groups_store():
+    line = hc.line_of("through_the_store mismatch")
+    caught = (f'the ranks called collectives that cannot match (different dtypes): rank 0 at File "{hc.__file__}", '
+              f"line {line}: all_reduce #1 on group [0, 1] of float32[4]; rank 1 at line {line}: all_reduce #1 on "
+              f"group [0, 1] of float64[4]; {NONE_ENTERED}")
+    assert ranch(2, hc.through_the_store, ctx=in_torchddp(), caller_rank=None) == \
+        [("StoreTable", caught, [12.0, 12.0])] * 2
+
+
 # -- a Session -------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
