@@ -26,7 +26,6 @@ from __future__ import annotations
 import os
 import struct
 import sys
-import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -296,7 +295,6 @@ def _line(data: bytes) -> Optional[tuple[str, int]]:
 #: {process group: its Group (or None: not checked)}, for as long as the group lives.
 _groups: weakref.WeakKeyDictionary[Any, Optional[Group]] = weakref.WeakKeyDictionary()
 _made: weakref.WeakSet[Group] = weakref.WeakSet()  # every Group alive, its table open or closed
-_lock = threading.Lock()
 
 
 def known(pg: Any) -> tuple[bool, Optional[Group]]:

@@ -115,10 +115,6 @@ def replacements() -> dict[int, Callable]:
     return {id(original): _wrappers[name] for name, original in _originals.items() if name in _wrappers}
 
 
-def originals() -> dict[int, Callable]:
-    return {id(wrapper): _originals[name] for name, wrapper in _wrappers.items()}
-
-
 # -- the wrappers ---------------------------------------------------------------------------------
 
 def _checker(name: str, original: Callable) -> Callable:
