@@ -24,6 +24,7 @@ once, naming the list of ranks, and different errors each with its ranks.
 
 from __future__ import annotations
 
+import copyreg
 import linecache
 import os
 import signal
@@ -255,13 +256,7 @@ class CollectiveError(RankError):
         self.mismatch: Any = None  # the check's: a torchdist.checks.groups.Mismatch
 
     def __reduce__(self) -> Any:  # its __init__ takes the parts: a rank's travels as its state
-        return _rebuilt, (type(self), self.args, dict(self.__dict__))
-
-
-def _rebuilt(cls: type, args: tuple, state: dict) -> BaseException:
-    error = cls.__new__(cls, *args)  # BaseException's __new__ keeps the message
-    error.__dict__.update(state)
-    return error
+        return copyreg.__newobj__, (type(self), *self.args), dict(self.__dict__)
 
 
 class StdinUnavailableError(RuntimeError):
