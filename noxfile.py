@@ -31,6 +31,7 @@ FLOOR_TESTS = [
     "tests/test_magics.py",
     "tests/test_debugging.py",
     "tests/test_mismatch.py",
+    "tests/test_collective_checks.py",
 ]
 #: What FLOOR_TESTS need of the test extra (kernels, notebooks, the timeout plugin; matplotlib and tqdm
 #: in ranks' cells, ipywidgets for tqdm's widget bar).

@@ -28,6 +28,7 @@ BENCHMARKS = {
     "debugging": "bench_debugging.py",  # issue 20: a rank's stdin through the frontend
     "widgets": "bench_widgets.py",  # issue 21: a widget update from the frontend to a rank and back
     "mismatch": "bench_mismatch.py",  # issue 28: a distributed mistake to its error; a look's cost
+    "checks": "bench_collective_checks.py",  # issue 35: the collective check on and off, side by side
     "debugger": "bench_debugger.py",  # issue 29: the debugger panel on ranks, beside the kernel's own
 }
 

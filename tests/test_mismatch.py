@@ -29,11 +29,28 @@ import nbutil
 from mpify_nb import Session, in_torchddp, ranch
 from mpify_nb.engine import verdict as verdicts
 from mpify_nb.torchdist import compat, recorder, waits
+from mpify_nb.torchdist.checks import wrappers
 from mpify_nb.wire.errors import CollectiveError
 from test_session_magics import Kernel
 from versions import GLOO_RECORDER, needs_fsdp2_on_cpu, needs_gloo_recorder, numbered
 
 DATA = Path(__file__).resolve().parent / "data" / "flight_recorder"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def the_watch_alone():
+    """These are the collective watch's tests, run with the collective check off: on (the
+    default), every rank compares its call with its peers' before any enters the collective, and
+    these mistakes end there instead (tests/test_collective_checks.py, which also has the watch
+    seeing a rank wait in the check). The watch is what tells them with the check off, on NCCL,
+    and for collectives no Python call issues (DDP's, DTensor's, functional collectives)."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv(wrappers.VARIABLE, "0")  # the ranks (and kernels) started from this module
+    previous = wrappers.enabled()
+    wrappers.set_enabled(False, install=False)
+    yield
+    wrappers.set_enabled(previous, install=False)
+    patch.undo()
 HELPERS = f'File "{hm.__file__}"'
 REBUILT = ("the process group was rebuilt (Python state kept; re-create objects made on the old group, "
            "e.g. DistributedDataParallel)")

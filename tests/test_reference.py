@@ -31,6 +31,12 @@ INTERNAL_ERRORS = {
     "Aborted": "launcher/own_rank.py: thrown into the caller's own rank when another rank failed; the call "
                "catches it and raises that rank's error",
     "TemplateRetired": "start/placement.py: a template being replaced; the call asks the new one",
+    "CheckAborted": "torchdist/checks/groups.py: a Session rank waiting in its collective check when the group is "
+                    "aborted under it; the Session drops that answer and raises the call's CollectiveError",
+    "CollectivesApart": "torchdist/checks/groups.py: the check's refusal where rank/checks.py installed no error of "
+                        "its own; every rank and the notebook's own rank install CollectiveError",
+    "Unchecked": "torchdist/checks/calls.py: a call whose arguments the check does not judge; wrappers.py catches "
+                 "it and lets the call run",
 }
 
 

@@ -515,7 +515,14 @@ def test_a_hidden_wait_for_an_idle_rank_ends_the_cell_and_the_group_works_again(
     setup, cell, op, line = HIDDEN_WAITS[case]
     dist.ok(f"hid_keep = rank + 10\n{setup}")
     started = time.monotonic()
-    ran = dist.fails(f"%%rank [0]\n{cell}", "CollectiveError")
+    # The waits as gloo holds them, the collective check off: on, a call made through torch.distributed
+    # (an async all_reduce, FSDP2's all-gather, gloo's functional all_reduce) waits in the check at the
+    # call itself (tests/test_collective_checks.py), before any of these.
+    dist.ok("%%local\nfrom mpify_nb import set_collective_checks\nset_collective_checks(False)")
+    try:
+        ran = dist.fails(f"%%rank [0]\n{cell}", "CollectiveError")
+    finally:
+        dist.ok("%%local\nset_collective_checks(True)")
     took = time.monotonic() - started
     text = ran.error_text()
     number = ran.cell.execution_count
@@ -591,9 +598,14 @@ def test_ranks_that_raise_different_errors_show_each_with_its_ranks(dist):
 
 def test_a_rank_that_a_collective_aborts_says_how_to_recover(dist):
     dist.ok("abort_keep = rank + 200")
-    # Rank 0 sends 2 floats where rank 1 expects 1: gloo aborts rank 1 (SIGABRT), its message on stderr.
-    ran = dist.fails("dist.all_gather([torch.zeros(2 - rank) for _ in range(2)], torch.ones(2 - rank))",
-                     "RankExitedError")
+    # Rank 0 sends 2 floats where rank 1 expects 1: gloo aborts rank 1 (SIGABRT), its message on stderr
+    # (with the collective check off: on, the ranks refuse the call before either enters it).
+    dist.ok("%%local\nfrom mpify_nb import set_collective_checks\nset_collective_checks(False)")
+    try:
+        ran = dist.fails("dist.all_gather([torch.zeros(2 - rank) for _ in range(2)], torch.ones(2 - rank))",
+                         "RankExitedError")
+    finally:
+        dist.ok("%%local\nset_collective_checks(True)")
     assert any(wording in ran.stream("stderr") for wording in GLOO_SIZE_MISMATCH), ran.outputs
     shown = ("RankExitedError: rank 1 was killed by SIGABRT (an abort in C++ code, e.g. gloo's check that a "
              "collective's tensors match: the rank printed why on its stderr)\n"

@@ -29,6 +29,7 @@ import sys
 
 from .ddp import TorchDDPCtx, in_torchddp
 from .decorator import distributed
+from .engine.checked import set_collective_checks
 from .imports import import_star
 from .launcher.ranch import ranch
 from .session.session import RankStatus, Session
@@ -64,6 +65,7 @@ __all__ = [
     "placement",
     "set_preload",
     "set_rank_imports",
+    "set_collective_checks",
 ]
 
 

@@ -6,8 +6,9 @@ it died), ``user_waits`` (ranks waiting for the user: at a stdin prompt, ``promp
 a breakpoint; a call's clock does not count it), the caller's half of each capability that
 touches running ranks (``prompts``: stdin; ``comms``: widgets; ``watch``: the collective watch,
 looking at a call's ranks, and ``verdict``: what their looks mean, a collective that can never
-finish and where each rank is) and ``interrupts`` (the stop button: SIGINT while a call waits,
-and for calls on other threads).
+finish and where each rank is; ``checked``: a call the ranks' collective check refused, as the
+call's ``CollectiveError``, and ``set_collective_checks``) and ``interrupts`` (the stop button:
+SIGINT while a call waits, and for calls on other threads).
 
 It may import ``wire/``, ``torchdist/``, ``rank/`` (the rank's half of a capability),
 ``relay/`` and ``start/``.

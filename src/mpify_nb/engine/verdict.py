@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..torchdist import compat
-from ..torchdist.recorder import ROOTED, Op, Tensors, numel, p2p_apart, pairs, why_apart
+from ..torchdist.recorder import ROOTED, Op, numel, op_text, p2p_apart, pairs, shown_tensors, why_apart
 from ..torchdist.waits import Snapshot
 from ..wire.errors import source_location
 
@@ -85,7 +85,7 @@ def _got_the_wrong_value(r: int, a: Op, q: int, b: Op) -> int:
     root = a.root if a.root is not None else b.root
     if a.kind in ROOTED and root in (r, q):
         return q if root == r else r
-    return q if sum(numel(_shown(b))) > sum(numel(_shown(a))) else r
+    return q if sum(numel(shown_tensors(b))) > sum(numel(shown_tensors(a))) else r
 
 
 # -- the rules --------------------------------------------------------------------------------
@@ -268,37 +268,6 @@ def ops_text(items: list[tuple[int, Snapshot, Op]]) -> str:
         unknown = op.is_p2p and op.root is None and s.any_peer and s.label
         parts.append(f"rank {r}{at}: {s.label if unknown else op_text(op)}{' (returned)' if op.done else ''}")
     return "; ".join(parts)
-
-
-def op_text(op: Op, sizes: bool = True) -> str:
-    """"all_reduce #5 of float32[4]", "broadcast #5 of float32[4] from rank 0", "recv from rank 1
-    of float32[4]", "barrier #3" (``sizes``: with the tensors)."""
-    if op.is_p2p:
-        peer = f"rank {op.root}" if op.root is not None else "any rank"
-        text = f"{op.kind} {'to' if op.kind == 'send' else 'from'} {peer}"
-        tensors = op.inputs or op.outputs
-    else:
-        text = op.kind if op.seq is None else f"{op.kind} #{op.seq}"
-        if op.ranks is not None:
-            text += f" on group {list(op.ranks)}"
-        tensors = _shown(op)
-    if sizes and tensors:
-        text += f" of {tensors_text(tensors)}"
-    if op.kind in ROOTED and op.root is not None:
-        text += f" {'from' if ROOTED[op.kind] == 'src' else 'to'} rank {op.root}"
-    if op.is_p2p and op.tag:
-        text += f" (tag {op.tag})"
-    return text
-
-
-def _shown(op: Op) -> Tensors:
-    if op.kind == "scatter" or op.kind.startswith("reduce_scatter"):
-        return op.outputs
-    return op.inputs or op.outputs
-
-
-def tensors_text(tensors: Tensors) -> str:
-    return ", ".join(f"{dtype}[{', '.join(str(d) for d in shape)}]" for dtype, shape in tensors)
 
 
 def where_text(snaps: dict[int, Snapshot], now_ns: int, prompts: frozenset = frozenset(),

@@ -47,6 +47,7 @@ import time
 from typing import Any, Callable, Optional
 
 from ..engine import core, interrupts, members
+from ..rank import checks as rank_checks
 from ..relay.pipes import OutputRelay
 from ..start import environ, placement, template
 from ..torchdist import waits
@@ -278,7 +279,7 @@ class Call(WatchedCall):
         self.outcome.failed_ranks.add(handle.rank)
         payload.close_fds(fds)
         failure: RemoteFailure = pickle.loads(body)[0]
-        error = failure.to_error(handle.rank, payload.loads)
+        error = self._as_refusal(failure.to_error(handle.rank, payload.loads))  # the collective check's?
         if not handle.process.shares_clock:
             error.when = time.monotonic()  # another host's clock: order by when we heard
         # A rank whose death we see only through its link (on another host) may have died before
@@ -327,7 +328,7 @@ class Call(WatchedCall):
         assert rank is not None
         waits.mark_groups_born()  # what this process's recorder holds is of its earlier calls
         waits.note_p2p()
-        with self.own.running(env, self.engine.wake_w):
+        with self.own.running(env, self.engine.wake_w), rank_checks.in_the_notebook():
             try:
                 return self.own.play(fn, args, kwargs, ctx, self.imports, lambda: self._own_rank_returned(rank))
             except own_rank.Aborted:
@@ -339,6 +340,8 @@ class Call(WatchedCall):
                 self.engine.kill_all()
                 raise
             except BaseException as e:
+                if self._refused(e):  # the collective check: every rank raised it, none entered gloo
+                    return None
                 failure = RemoteFailure.capture(e, lambda exc: None).to_error(rank, payload.loads)
                 failure.__cause__ = e
                 try:

@@ -10,13 +10,15 @@ launcher/call.py's ``Call``: what the call tells the watch, and what it does wit
     a rank's error raised inside a collective (held a moment) ── _explain: a peer that returned
         without joining it, or holds another collective under its number, is the news
     timeout= ── _time_out: where each rank was;  the stop button ── _where_they_were
+    the caller's own rank raised the collective check's refusal ── _refused: the call's error at
+        once (engine/checked.py; a rank's is turned into it as the call records it)
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..engine import core
+from ..engine import checked, core
 from ..engine import verdict as verdicts
 from ..engine.watch import Watch
 from ..start import placement
@@ -127,6 +129,27 @@ class WatchedCall:
                                     what=verdict.what, kind=verdict.kind, culprit=verdict.culprit)
         explained.__cause__ = error
         explained.when = error.when
+        return explained
+
+    def _refused(self, error: BaseException) -> bool:
+        """The caller's own rank raised the collective check's refusal: the call's error at once
+        (its peers raised the same, none entered the collective: no echo of a peer to wait for)."""
+        explained = checked.refused(error)
+        if explained is None:
+            return False
+        self.outcome.fail(explained)
+        return True
+
+    def _as_refusal(self, error: BaseException) -> BaseException:
+        """A rank's error that is the collective check's refusal, as the call's CollectiveError.
+        A send the check refused on the peer's side leaves this side in gloo: the caller's own
+        rank, if it is there, is unstuck at once (not when the peer's death reaches gloo)."""
+        explained = checked.refused(error)
+        if explained is None:
+            return error
+        if explained.mismatch.p2p and self.caller_rank is not None and not self.finished \
+                and getattr(error, "rank", None) != self.caller_rank:
+            self._unstick_own_rank()
         return explained
 
     def _judge_returned(self) -> None:

@@ -4,7 +4,8 @@
 thread: stdin answers, interrupts, the caller's looks, the caller's death), ``session`` (a persistent rank's
 requests), ``group`` (its process group), ``cells`` (what a rank runs for a notebook cell: a ``%%ranch``
 cell, ``%time``/``%timeit``, ``%sync``), ``stdin``, ``display`` and ``mpl_backend``, ``comms`` (widgets),
-``debugger`` (the frontend's debugger panel: pydevd on a socketpair, relayed on the control channel)
+``debugger`` (the frontend's debugger panel: pydevd on a socketpair, relayed on the control channel),
+``checks`` (the collective check installed, switched, its error the caller's CollectiveError)
 and ``process`` (what each of our processes does for itself). The caller's half of each capability is
 in ``engine/``.
 

@@ -114,6 +114,11 @@ def connect(channel: socket.socket, state: RankState) -> None:
     _caller[:] = [(channel, state)]
 
 
+def in_a_rank() -> bool:
+    """Is this process a rank (its loop runs), not the caller?"""
+    return bool(_caller)
+
+
 def to_caller(kind: bytes, body: bytes = b"", fds=()) -> None:
     """Send a frame to the caller from any thread of the rank (a capability's, say), tagged
     with the request running now; the caller's engine hands it to its handler for ``kind``."""

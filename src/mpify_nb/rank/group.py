@@ -14,6 +14,7 @@ import socket
 from typing import Optional
 
 from ..torchdist import compat, groups, waits
+from . import checks
 
 #: Seconds a rank waits in the rendezvous for its peers (a peer that died meanwhile).
 _RENDEZVOUS_TIMEOUT = 60.0
@@ -34,6 +35,7 @@ def start(namespace: dict, rank: int, session: dict, listen_fd: Optional[int]) -
         device = torch.device("cuda", gpu)
     import torch.distributed as dist
 
+    checks.starting()  # a spawned rank imported torch.distributed just now
     namespace.update(rank=rank, world_size=session["world_size"], device=device, dist=dist, torch=torch)
     backend = session.get("backend") or ("nccl" if gpu is not None else "gloo")
     _group.update(rank=rank, world_size=session["world_size"], backend=backend)
@@ -200,4 +202,5 @@ def destroy_group(abort: bool = False) -> None:
             compat.destroy_process_group()  # torch < 2.8's gloo could deadlock in destroy_process_group
     except Exception:
         pass  # a group torn down by its peers may fail to say goodbye; it is gone either way
+    checks.sweep()  # the collective check's tables of the groups gone
 

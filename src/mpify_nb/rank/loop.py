@@ -43,7 +43,7 @@ from ..torchdist import p2p, waits
 from ..wire import framing, payload
 from ..wire.errors import RemoteFailure, safe_str
 from ..wire.protocol import CALL, DONE, FAIL, IMPORTED, NO_REQUEST, READY, RETURNED, pack, unpack
-from . import control, process, session
+from . import checks, control, process, session
 from .control import RankState
 
 #: The modules this rank was born with (the template's): what it imports beyond them is news.
@@ -76,6 +76,7 @@ def main(channel_fd: int, expected_parent: int) -> None:
         rank = config["rank"]
         process.set_process_name(f"mpify_nb-rank{rank}")
         _apply(config)
+        checks.starting()  # on or off as the caller's environment says
     except BaseException as e:
         _send_failure(channel, NO_REQUEST, e, f"rank {rank} could not start")
         process.end(0)
@@ -132,6 +133,7 @@ def _one_call(channel: socket.socket, state: RankState, req: int, body: Any, fds
         _send_failure(channel, req, e, f"rank {rank} could not load the call")
         process.end(0)
     p2p.install()  # isend/irecv note their peers for the caller's looks (torch already imported)
+    checks.starting()  # a spawned rank: torch.distributed came with the call
     control.send(channel, pack(READY, req))
     if framing.recv(channel) is None:  # no GO: the caller gave up (another rank failed to load)
         process.end(0)

@@ -37,6 +37,7 @@ import pickle
 import signal
 import socket
 import sys
+import time
 from typing import Any
 
 from ..wire import payload
@@ -45,6 +46,7 @@ from ..wire.protocol import (
     ABORT_GROUP,
     ABORTED,
     APPLY,
+    CHECKS,
     COMM,
     COMM_ACK,
     COMM_OUT,
@@ -60,7 +62,7 @@ from ..wire.protocol import (
     RUN,
     pack,
 )
-from . import comms, group, process
+from . import checks, comms, group, process
 from . import control as rank_control
 from . import debugger as rank_debugger
 from . import display as rank_display
@@ -73,6 +75,7 @@ def start(channel: socket.socket, config: dict, fds: list[int], state: RankState
     control = socket.socket(fileno=fds[0])
     listen_fd = fds[1] if len(fds) > 1 else None
     session = config["session"]
+    checks.persistent()
     namespace = sys.modules["__main__"].__dict__
     signal.signal(signal.SIGINT, lambda signum, frame: _on_sigint(state))
     rank_control.start(control, state)
@@ -94,10 +97,11 @@ def start(channel: socket.socket, config: dict, fds: list[int], state: RankState
     def handler(kind: bytes) -> rank_control.Request:
         return lambda channel, state, req_id, body, fds: _handle(kind, req_id, body, fds, namespace, state)
 
-    return {kind: handler(kind) for kind in (RUN, APPLY, PUSH, PULL, MISSING, GROUP, COMM)}
+    return {kind: handler(kind) for kind in (RUN, APPLY, PUSH, PULL, MISSING, GROUP, COMM, CHECKS)}
 
 
 def _abort_group(state: RankState, control: socket.socket, req_id: int, body: Any) -> None:
+    checks.abort()  # a rank waiting in its collective check raises too
     group.cut_connections(pickle.loads(body))
     group.destroy_group(abort=True)
     rank_control.send(control, pack(ABORTED, req_id))  # the caller rebuilds only after every ack
@@ -132,6 +136,7 @@ def free_replaced() -> None:
 def _handle(kind: bytes, req_id: int, body, fds: list[int], namespace: dict,
             state: RankState) -> tuple[bytes, list[int]]:
     rank_debugger.arm()  # the frontend's breakpoints stop here while its debugger is on
+    issued, started_ns = (checks.collectives_so_far(), time.time_ns()) if kind in (RUN, APPLY) else (0, 0)
     try:
         if kind == RUN:
             source, filename, want_value = pickle.loads(body)
@@ -158,6 +163,9 @@ def _handle(kind: bytes, req_id: int, body, fds: list[int], namespace: dict,
             value = sorted(n for n in names if n not in namespace and not hasattr(builtins, n))
         elif kind == COMM:  # a frontend's message to a widget here: its handlers are user code
             value = _in_user_code(state, comms.deliver, pickle.loads(body))
+        elif kind == CHECKS:  # the notebook's set_collective_checks, before the next cell
+            checks.switch(pickle.loads(body))
+            value = None
         elif kind == GROUP:
             group.destroy_group()
             group.init_group(pickle.loads(body), fds[0] if fds else None)
@@ -166,7 +174,10 @@ def _handle(kind: bytes, req_id: int, body, fds: list[int], namespace: dict,
         else:
             raise RuntimeError(f"unknown request {kind!r}")
         meta = _meta()
-        if value is None and meta["gpu_memory"] is None:
+        returned = checks.returned_after(issued, started_ns, state.rank) if kind in (RUN, APPLY) else None
+        if returned is not None:
+            meta["returned"] = returned  # the caller compares the ranks' (a wrong value every rank returned)
+        if value is None and meta["gpu_memory"] is None and returned is None:
             payload.close_fds(fds)
             return pack(DONE, req_id), []  # the common case, without pickling anything
         # Pickling runs the value's own code (__reduce__, __getstate__), which may block: it is
@@ -183,11 +194,14 @@ def _handle(kind: bytes, req_id: int, body, fds: list[int], namespace: dict,
     except BaseException as e:
         payload.close_fds(fds)
         interrupted = isinstance(e, KeyboardInterrupt)
+        # Captured first: once sys.last_value holds it, it would travel as a reference to that name
+        # (what a module holds is the rank's own), and the caller's __cause__ would be lost.
+        reply = pack(FAIL, req_id, pickle.dumps((_capture(e), interrupted, _meta())))
         if kind in (RUN, APPLY):  # as Python does for an uncaught error: pdb.pm() and Session.debug() find it
             sys.last_type, sys.last_value, sys.last_traceback = type(e), e, e.__traceback__
             if sys.version_info >= (3, 12):
                 sys.last_exc = e
-        return pack(FAIL, req_id, pickle.dumps((_capture(e), interrupted, _meta()))), []
+        return reply, []
     payload.close_fds(fds)
     return pack(DONE, req_id, data), out_fds
 

@@ -15,10 +15,12 @@ import time
 from collections.abc import Iterable
 from typing import Any, Callable, Optional, Union
 
-from ..engine import interrupts
+from ..engine import checked, interrupts
+from ..engine import verdict as verdicts
+from ..torchdist.checks import wrappers
 from ..wire import payload, shm
-from ..wire.errors import RankError, RankExitedError, SessionClosedError, merge_rank_errors
-from ..wire.protocol import COMM, DONE, NO_REQUEST
+from ..wire.errors import CollectiveError, RankError, RankExitedError, SessionClosedError, merge_rank_errors
+from ..wire.protocol import APPLY, CHECKS, COMM, DONE, NO_REQUEST, RUN
 from .ranks import Member, failure_of
 from .recovery import SessionRecovery
 
@@ -41,6 +43,7 @@ class SessionCalls(SessionRecovery):
         self._where_asked = threading.Event()
         self._where_done = threading.Event()
         self._where_seen: dict[int, Any] = {}
+        self._checks_sent = wrappers.enabled()  # the collective check, as the ranks start with it
 
     def _targets(self, ranks: Ranks) -> list[int]:
         if ranks is None:
@@ -60,6 +63,8 @@ class SessionCalls(SessionRecovery):
 
     def _call(self, kind: bytes, body: bytes, fds: list[int], ranks: Ranks, timeout: Optional[float],
               display: Optional[Callable[[int, dict], None]], label: Optional[str]) -> dict[int, Any]:
+        if kind in (RUN, APPLY) and self._checks_sent != wrappers.enabled():
+            self._send_checks()
         if timeout is None:
             timeout = self.timeout
         check_timeout(timeout)
@@ -103,6 +108,15 @@ class SessionCalls(SessionRecovery):
                 restore()
                 self._engine.relay.end_call([fd for m in self._members.values() for fd in m.out_fds])
                 self._display = None
+
+    def _send_checks(self) -> None:
+        """set_collective_checks() changed since the last cell: every live rank learns it first
+        (the ranks of a group must agree; a rank restarted later reads it from its environment)."""
+        on = wrappers.enabled()
+        live = [m.rank for m in self._members.values() if m.alive]
+        if live:
+            self._call(CHECKS, pickle.dumps(on), [], live, None, None, None)
+        self._checks_sent = on
 
     def _comm_to_rank(self, rank: int, frame: dict) -> None:
         """A frontend's message to a widget of ``rank``: handled there like a tiny cell (output
@@ -201,6 +215,7 @@ class SessionCalls(SessionRecovery):
     def _results(self, members: list[Member]) -> dict[int, Any]:
         values: dict[int, Any] = {}
         errors: list[RankError] = []
+        returned: dict[int, Any] = {}  # what each rank's collectives were, with the check off
         for m in members:
             assert m.answer is not None
             kind, body, fds = m.answer
@@ -209,13 +224,21 @@ class SessionCalls(SessionRecovery):
                 if len(body):
                     value, meta = payload.unpack_result(body, fds)
                     m.gpu_memory = meta.get("gpu_memory")
+                    if meta.get("returned") is not None:
+                        returned[m.rank] = meta["returned"]
                     values[m.rank] = value
                 else:
                     values[m.rank] = None
             else:
                 errors.append(failure_of(m, body, fds))
         if errors:
-            raise merge_rank_errors(errors)
+            merged = merge_rank_errors(errors)
+            # the collective check refused a call: every rank raised it, none entered the collective
+            raise checked.refused(merged, checked.KEPT, rebuilt=False) or merged
+        wrong = verdicts.judge_returned(returned) if len(returned) > 1 else None
+        if wrong is not None:  # gloo let a collective pass whose tensors differed (a broadcast into more)
+            raise CollectiveError([], [], rebuilt=False, what=wrong.what, kind=wrong.kind, culprit=wrong.culprit,
+                                  after=f"every rank keeps its state, rank {wrong.culprit}'s with the wrong value")
         return values
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pickle
 import time
 
+from ..engine import checked
 from ..engine.verdict import Verdict
 from ..wire import payload
 from ..wire.errors import CollectiveError, RankError, RankExitedError, merge_rank_errors
@@ -59,8 +60,10 @@ class SessionRecovery(SessionRanks):
             raise merge_rank_errors([m.exit_error or RankExitedError(m.rank, None) for m in dead])
         rebuilt = self._rebuild()
         self._raise_if_died_during(req)
-        raise CollectiveError(verdict.waiting, verdict.missing, verdict.label or "a collective", errors, rebuilt,
-                              what=verdict.what, kind=verdict.kind, culprit=verdict.culprit)
+        error = CollectiveError(verdict.waiting, verdict.missing, verdict.label or "a collective", errors, rebuilt,
+                                what=verdict.what, kind=verdict.kind, culprit=verdict.culprit)
+        # A send and its recv the check refused on one side: the other side waited in gloo.
+        raise checked.refused(error, rebuilt=rebuilt) or error
 
     def _raise_if_died_during(self, req: int) -> None:
         """A rank that died during call ``req`` (while its group was aborted or rebuilt, say) is

@@ -35,7 +35,12 @@ def serve(control_fd: int) -> None:
             importlib.import_module(name)
         except Exception:
             pass
-    from ..rank import loop  # noqa: F401  (imported now so each fork has it for free)
+    from ..rank import (
+        checks,
+        loop,  # noqa: F401  (imported now so each fork has it for free)
+    )
+
+    checks.install()  # the collective check: every name a rank's code takes from torch.distributed is ours
 
     process.set_process_name("mpify_nb-tmpl")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the caller decides when ranks stop

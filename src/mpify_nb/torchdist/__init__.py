@@ -5,7 +5,9 @@ rank: what it waits in, from torch's flight recorder and its stack, and where it
 what a thread's stack says, the call it is blocked in and the user's line; ``hidden_waits``:
 the stack and CPU time standing in for gloo's recorder before torch 2.8), ``recorder`` (the
 recorder's dumps, gloo's and NCCL's, read as ops), ``p2p`` (the peer and tag ``isend``/``irecv``
-note beside their ``Work``, which gloo records nowhere), ``libraries`` (what accelerate, Lightning
+note beside their ``Work``, which gloo records nowhere), ``checks/`` (the collective check: every
+rank compares each call with its peers' before any enters gloo, which would abort a rank whose
+peer sends more than it expects), ``libraries`` (what accelerate, Lightning
 and Hugging Face expect of a rank, and leave behind) and ``compat`` (which torch has what: every
 version check, in one place).
 

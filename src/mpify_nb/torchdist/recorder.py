@@ -240,5 +240,38 @@ def p2p_apart(a: Op, b: Op) -> Optional[str]:
     return None
 
 
+# -- in words -----------------------------------------------------------------------------------
+
+def op_text(op: Op, sizes: bool = True) -> str:
+    """"all_reduce #5 of float32[4]", "broadcast #5 of float32[4] from rank 0", "recv from rank 1
+    of float32[4]", "barrier #3" (``sizes``: with the tensors)."""
+    if op.is_p2p:
+        peer = f"rank {op.root}" if op.root is not None else "any rank"
+        text = f"{op.kind} {'to' if op.kind == 'send' else 'from'} {peer}"
+        tensors = op.inputs or op.outputs
+    else:
+        text = op.kind if op.seq is None else f"{op.kind} #{op.seq}"
+        if op.ranks is not None:
+            text += f" on group {list(op.ranks)}"
+        tensors = shown_tensors(op)
+    if sizes and tensors:
+        text += f" of {tensors_text(tensors)}"
+    if op.kind in ROOTED and op.root is not None:
+        text += f" {'from' if ROOTED[op.kind] == 'src' else 'to'} rank {op.root}"
+    if op.is_p2p and op.tag:
+        text += f" (tag {op.tag})"
+    return text
+
+
+def shown_tensors(op: Op) -> Tensors:
+    if op.kind == "scatter" or op.kind.startswith("reduce_scatter"):
+        return op.outputs
+    return op.inputs or op.outputs
+
+
+def tensors_text(tensors: Tensors) -> str:
+    return ", ".join(f"{dtype}[{', '.join(str(d) for d in shape)}]" for dtype, shape in tensors)
+
+
 def with_root(op: Op, root: Optional[int], tag: Optional[int] = None) -> Op:
     return replace(op, root=root if root is not None else op.root, tag=tag if tag is not None else op.tag)

@@ -29,10 +29,11 @@ import pickle
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from . import compat, hidden_waits, p2p
+from .checks import groups as checked_groups
 from .recorder import Op, entries_to_ops, issued, with_root
 from .stacks import _doing, _in_our_loop, _is_user_file, _stack, blocked_call, user_line
 
@@ -193,7 +194,11 @@ def snapshot(rank: int, thread_id: int, native_id: Optional[int] = None, stack: 
     ops = recorded_ops()
     frame = sys._current_frames().get(thread_id)
     blocked, label, any_peer = blocked_call(frame)
-    if blocked is not None and blocked.seq is None and not blocked.is_p2p:
+    checking = checked_groups.waiting_in(frame)
+    if checking is not None:  # in the collective check, before the collective (torchdist/checks/)
+        blocked, frame = _checked(checking[0], ops), checking[1]
+        label, any_peer = f"dist.{blocked.kind}", blocked.is_p2p and blocked.root is None
+    elif blocked is not None and blocked.seq is None and not blocked.is_p2p:
         # A collective on the stack: the recorder's newest unfinished one on its group is it (by
         # the name torch recorded: all_gather_object waits in an all_gather); the stack knows
         # its root (a broadcast's src), the recorder its number and sizes.
@@ -218,20 +223,34 @@ def snapshot(rank: int, thread_id: int, native_id: Optional[int] = None, stack: 
     return Snapshot(rank, tuple(ops), blocked, label, any_peer, where, doing, frames)
 
 
+def _checked(op: Op, ops: list[Op]) -> Op:
+    """A call a rank's collective check holds: numbered after what its group's recorder holds
+    (the check's own number counts torch's sequence, point-to-point calls included, where gloo
+    records nothing), and added to the ops as issued, not done (its peers' looks compare it)."""
+    if op.is_p2p:
+        return op
+    numbered = issued(ops).get(op.group) if op.group is not None else None
+    if numbered is not None:
+        op = replace(op, seq=numbered + 1)
+    ops.append(op)
+    return op
+
+
 #: How many more times a returning rank reads its recorder for entries still being retired.
 _RETIRE_LOOKS = 5
 
 
-def snapshot_of_return(rank: int) -> Optional[Snapshot]:
+def snapshot_of_return(rank: int, settle: bool = True) -> Optional[Snapshot]:
     """A rank whose function returned: the collectives it issued (None: it made no group). Its
     groups may be gone already (destroyed inside the function): their names are still those
-    the peers know them by."""
+    the peers know them by. ``settle``: wait (up to 50 ms) for those it returned from to be
+    retired; else they are read as they are."""
     entries = _recorder_entries(force=True)
     if not entries:
         return None
     groups = groups_now() or None
     ops = entries_to_ops(entries, groups, _groups_born_ns)
-    for _ in range(_RETIRE_LOOKS):
+    for _ in range(_RETIRE_LOOKS if settle else 0):
         if all(o.done for o in ops):
             break
         # A collective it returned from is retired a moment after (gloo's work finishes after
@@ -282,3 +301,9 @@ def _unrecorded_group() -> bool:
         return dist is not None and dist.get_backend() == "gloo"
     except Exception:
         return False
+
+
+# The collective check (torchdist/checks/) numbers a call as the recorder will, and names the
+# user's line of it, with what this module knows: handed over, as it never imports this one.
+checked_groups.RECORDED[:] = [recorded_ops]
+checked_groups.USER_FILE[:] = [_is_user_file]

@@ -24,6 +24,7 @@ once, naming the list of ranks, and different errors each with its ranks.
 
 from __future__ import annotations
 
+import copyreg
 import linecache
 import os
 import signal
@@ -189,23 +190,22 @@ class RankExitedError(RankError):
 
 
 class CollectiveError(RankError):
-    """Ranks waited in collectives that can never finish: one that other ranks never joined, or
-    collectives that cannot match (another op, other sizes or dtypes, another src, each rank
-    receiving from the other). Raised by a :class:`~mpify_nb.Session` (the group is rebuilt
-    afterwards) and by ``ranch`` (every rank is stopped).
+    """The ranks called collectives that cannot match, found before any entered them (the
+    collective check); or ranks waited in collectives that can never finish: one that other ranks
+    never joined, or that cannot match, each receiving from the other. Raised by a
+    :class:`~mpify_nb.Session` and ``ranch`` (every rank stopped), and on a rank by the check.
 
     Attributes:
-        waiting: the ranks that were blocked.
+        waiting: the ranks that were blocked (the check's: the ranks of the group).
         missing: the ranks that never joined (idle, finished, returned, or failed: see ``errors``).
         errors: what the missing ranks raised meanwhile, if anything (``RankRaisedError``s).
-        rebuilt: True when the process group was rebuilt afterwards (the next collective works);
-            None for a ``ranch`` call (its ranks were stopped).
+        rebuilt: True when the process group was rebuilt (the next collective works); False when
+            not (the check's: no rank entered it, the group works); None for ``ranch``.
         kind: "absent", "mismatch", "wrong value" or "deadlock".
         culprit: for "wrong value", the rank that returned from the collective with a wrong value.
-        after: what became of the ranks, said after ``what`` (default: from ``rebuilt``).
+        after: what became of the ranks (default: from ``rebuilt``); mismatch: the check's calls.
 
-    A Session keeps every rank's Python state; objects made on the old group (a DDP wrapper, a
-    subgroup) must be made again.
+    A Session keeps every rank's Python state; re-create what was made on a rebuilt group (DDP).
 
     Example (a notebook cell): rank 0 calls ``all_reduce`` alone.
 
@@ -250,9 +250,13 @@ class CollectiveError(RankError):
         if self.errors:  # the root cause first: what the missing ranks raised, each distinct error once
             msg = f"{merge_rank_errors(self.errors)}\n\nMeanwhile {msg}"
         root = (self.errors[0].rank if self.errors else culprit if culprit is not None
-                else self.missing[0] if self.missing else self.waiting[0])
+                else self.missing[0] if self.missing else self.waiting[0] if self.waiting else 0)
         super().__init__(root, msg)
         self.ranks = self.missing or self.waiting
+        self.mismatch: Any = None  # the check's: a torchdist.checks.groups.Mismatch
+
+    def __reduce__(self) -> Any:  # its __init__ takes the parts: a rank's travels as its state
+        return copyreg.__newobj__, (type(self), *self.args), dict(self.__dict__)
 
 
 class StdinUnavailableError(RuntimeError):

@@ -18,6 +18,7 @@ from typing import Any
 CALL = b"c"  # a ranch call (fn, args, ctx; memfds): load it, READY, wait for GO, run, answer, exit
 GO = b"G"  # every rank of a ranch call has loaded it: run it
 RUN, APPLY, PUSH, PULL, MISSING, GROUP = b"r", b"a", b"p", b"l", b"m", b"g"  # a Session's requests
+CHECKS = b"K"  # a Session's request: the collective check on or off from now on (set_collective_checks)
 # -- to a rank's control thread (a Session's control channel; a ranch rank's channel once it runs)
 INTERRUPT, ABORT_GROUP, ANSWER = b"i", b"x", b"n"
 LOOK = b"w"  # the caller looks at the rank (engine/watch.py): what it waits in, where it is; SEEN answers
