@@ -61,11 +61,10 @@ class RanksBusyError(RuntimeError):
     Attributes:
         work: the :class:`BackgroundWork` that holds the ranks.
 
-    Example (a notebook cell; ``s`` is a Session whose ranks train in the background):
+    Example (a notebook cell):
 
     ```python
-    from mpify_nb import Session
-    from mpify_nb.engine.background import RanksBusyError
+    from mpify_nb import RanksBusyError, Session
 
     s = Session(2)
     h = s.run("import time; time.sleep(30)", wait=False)
@@ -197,10 +196,17 @@ class BackgroundWork(concurrent.futures.Future):
         cancelled.__cause__ = error
         return cancelled
 
+    def detach(self) -> None:
+        """From ``run()``, when its call is over: the engine's prompts are the next call's again
+        (a Session's engine outlives the work), and nothing of the call is kept past its end (a
+        ranch call's engine, ranks, relay), however long the handle lives in the notebook."""
+        engine, self._engine, self._stop, self._look = self._engine, None, None, None
+        if engine is not None:
+            engine.user_waits.refusal = None
+
     def _end(self) -> None:
         self.ended = time.monotonic()
-        if self._engine is not None:
-            self._engine.user_waits.refusal = None
+        self.detach()
         with _running_lock:
             _running.discard(self)
 

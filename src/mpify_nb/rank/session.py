@@ -15,6 +15,8 @@ socketpair. It then never exits on its own::
                                                           destroy the group (unsticks them);
                  ── LOOK round ────────────────────────> what the main thread waits in, torch's
                  <── SEEN (round, snapshot) ───────────  recorder (torchdist/waits.py)
+                 ── PEEK name ─────────────────────────> a thread of its own pickles __main__[name]
+                 <── PEEKED value (memfds) ────────────  as it is now, beside the main thread
                  ── DEBUG / <── DEBUG ─────────────────  the frontend's debugger (rank/debugger.py)
                   (control channel closes) ───────────> the caller is gone: kill self
 

@@ -74,6 +74,9 @@ class SessionBackground(SessionCalls):
 
     def _peek(self, name: str, targets: list[int]) -> dict[int, Any]:
         """Each of ``targets``' ``name`` as it is now, read beside the call its ranks run."""
+        self._check_open()
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"name must be a variable name, not {name!r}")
         req = next(self._ids)
         answers: dict[int, tuple[Any, list[int]]] = {}
         with self._peek_cond:

@@ -128,6 +128,8 @@ class SessionCalls(SessionRecovery):
                 self.last_error = e
                 raise
             finally:
+                if work is not None:
+                    work.detach()  # before the ranks are free: the next call's prompts are its own
                 self._engine.watch.end()
                 self._engine.user_waits.close_prompts()
                 with self._flag_lock:

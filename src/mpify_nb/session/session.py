@@ -231,20 +231,15 @@ class Session(SessionBackground):
         A name a rank lacks raises ``NameError`` naming the rank; a value that cannot be
         pickled (a generator, an open file) raises ``PayloadError``.
 
-        While a call runs (background work, or a call on another thread), the value is read as
-        it is at that moment, beside the running code, which is not stopped: a loss history, a
-        step counter, a tensor copied as it is then (one updated in place meanwhile may be torn;
-        the Background work guide says what such a read can see).
+        While a call runs (background work, a call on another thread), it is read as it is then,
+        beside the running code, which goes on (the Background work guide: what such a read sees).
 
         >>> s.pull("loss")            # rank 0's
         >>> s.pull("loss", rank=None) # [rank 0's, rank 1's, ...]
         """
-        if not isinstance(name, str) or not name.isidentifier():
-            raise ValueError(f"name must be a variable name, not {name!r}")
         targets = None if rank is None else [rank]
         try:
             if self._busy_elsewhere():
-                self._check_open()
                 values = self._peek(name, self._targets(targets))
             else:
                 values = self._call(PULL, pickle.dumps(name), [], targets, None, None, None)
