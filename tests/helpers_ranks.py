@@ -787,8 +787,13 @@ def steps(n: int, pause: float = 0.05, fail_on: Optional[int] = None) -> dict:
     return {"rank": rank(), "pid": os.getpid(), "thread": threading.current_thread().name}
 
 
-def steps_until_file(path: str) -> int:
-    """Step until ``path`` exists (at most 60 s); returns how many steps were made."""
+def steps_until_file(path: str, pid_dir: Optional[str] = None) -> int:
+    """Step until ``path`` exists (at most 60 s); returns how many steps were made. ``pid_dir``: write
+    this rank's pid there first (file ``pid<rank>``), for a test that kills it."""
+    if pid_dir is not None:
+        with open(os.path.join(pid_dir, f"pid{rank()}.tmp"), "w") as f:
+            f.write(str(os.getpid()))
+        os.rename(os.path.join(pid_dir, f"pid{rank()}.tmp"), os.path.join(pid_dir, f"pid{rank()}"))
     end = time.monotonic() + 60
     n = 0
     while not os.path.exists(path) and time.monotonic() < end:

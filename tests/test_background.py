@@ -17,9 +17,10 @@ import time
 
 import pytest
 
+import helpers_mismatch
 import helpers_ranks
 from helpers_ranks import start_time
-from mpify_nb import BackgroundWork, RanksBusyError, Session, ranch
+from mpify_nb import BackgroundWork, RanksBusyError, Session, in_torchddp, ranch
 from mpify_nb.wire.errors import CollectiveError, RankExitedError, RankRaisedError, SessionClosedError
 
 TRAIN = ("import time\nsteps_done = 0\nlosses = []\n"
@@ -152,6 +153,21 @@ def test_the_stop_button_stops_the_cell_not_the_background_work(tmp_path, sigint
     assert not work.done()
     go.touch()
     assert work.result(timeout=60)[1] > 0
+
+
+def test_a_ranch_in_the_background_guards_what_a_blocking_one_does(tmp_path):
+    # A peer that returned without joining the collective the notebook's rank 0 waits in, on the work's thread.
+    work = ranch(2, helpers_mismatch.returns_early, ctx=in_torchddp(), wait=False)
+    with pytest.raises(CollectiveError, match="rank 0"):
+        work.result(timeout=60)
+    # A rank killed mid-call.
+    work = ranch(2, helpers_ranks.steps_until_file, str(tmp_path / "never"), str(tmp_path), wait=False)
+    until(lambda: (tmp_path / "pid1").exists(), what="rank 1's pid")
+    os.kill(int((tmp_path / "pid1").read_text()), signal.SIGKILL)
+    with pytest.raises(RankExitedError) as info:
+        work.result(timeout=60)
+    assert info.value.rank == 1 and info.value.signal_name == "SIGKILL"
+    assert ranch(2, helpers_ranks.rank) == [0, 1]
 
 
 def test_a_cell_can_await_background_work():
