@@ -108,8 +108,8 @@ def test_training_in_the_background_while_the_notebook_is_used(front):
     local = front.ok("%%local\nprint('local', 1 + 1)")
     assert local.text() == "local 2\n"
     # The stop button ends the cell that runs now; the training goes on.
-    sleeper = front.start("%%local\nimport time\ntime.sleep(60)")
-    time.sleep(1.0)
+    sleeper = front.start("%%local\nimport time\nprint('sleeping', flush=True)\ntime.sleep(60)")
+    front.wait_for(sleeper, "sleeping")
     front.interrupt()
     front.finish(sleeper)
     assert sleeper.status == "error" and sleeper.reply["content"]["ename"] == "KeyboardInterrupt"
