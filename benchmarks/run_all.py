@@ -30,6 +30,7 @@ BENCHMARKS = {
     "mismatch": "bench_mismatch.py",  # issue 28: a distributed mistake to its error; a look's cost
     "checks": "bench_collective_checks.py",  # issue 35: the collective check on and off, side by side
     "debugger": "bench_debugger.py",  # issue 29: the debugger panel on ranks, beside the kernel's own
+    "background": "bench_background.py",  # issue 37: background work, beside the same call in the foreground
 }
 
 

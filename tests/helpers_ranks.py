@@ -770,3 +770,33 @@ def replace_sigint_handler_then_loop(directory: str) -> str:
         time.sleep(0.01)
     open(os.path.join(directory, "not_stopped"), "w").close()
     return "not stopped"
+
+
+# -- background work (test_background.py) ----------------------------------------------------------
+
+def steps(n: int, pause: float = 0.05, fail_on: Optional[int] = None) -> dict:
+    """``n`` steps, each printed; rank ``fail_on`` raises after them. Returns the rank, its pid and
+    the thread that ran it (the caller's rank of ``ranch(..., wait=False)`` runs on a thread of its own)."""
+    import threading
+
+    for i in range(n):
+        print(f"step {i} of rank {rank()}", flush=True)
+        time.sleep(pause)
+    if rank() == fail_on:
+        raise ValueError(f"rank {rank()} fails after {n} steps")
+    return {"rank": rank(), "pid": os.getpid(), "thread": threading.current_thread().name}
+
+
+def steps_until_file(path: str, pid_dir: Optional[str] = None) -> int:
+    """Step until ``path`` exists (at most 60 s); returns how many steps were made. ``pid_dir``: write
+    this rank's pid there first (file ``pid<rank>``), for a test that kills it."""
+    if pid_dir is not None:
+        with open(os.path.join(pid_dir, f"pid{rank()}.tmp"), "w") as f:
+            f.write(str(os.getpid()))
+        os.rename(os.path.join(pid_dir, f"pid{rank()}.tmp"), os.path.join(pid_dir, f"pid{rank()}"))
+    end = time.monotonic() + 60
+    n = 0
+    while not os.path.exists(path) and time.monotonic() < end:
+        n += 1
+        time.sleep(0.02)
+    return n

@@ -119,7 +119,8 @@ def test_each_group_of_session_magics_is_a_magics_class_of_its_own_module():
     lifecycle = ["dist_debug", "dist_init", "dist_reset", "dist_restart", "dist_shutdown", "dist_status", "dist_where"]
     assert where == {
         "line": {**dict.fromkeys(lifecycle, "lifecycle"), **dict.fromkeys(["dist_pull", "dist_push", "sync"], "data"),
-                 "dist_view": "views", "dist_mode": "router"},
+                 "dist_view": "views", "dist_mode": "router",
+                 **dict.fromkeys(["dist_stop", "dist_wait"], "background")},
         "cell": dict.fromkeys(["distributed", "local", "rank"], "rank_cells"),
     }
 

@@ -29,6 +29,7 @@ import sys
 
 from .ddp import TorchDDPCtx, in_torchddp
 from .decorator import distributed
+from .engine.background import BackgroundWork, RanksBusyError
 from .engine.checked import set_collective_checks
 from .imports import import_star
 from .launcher.ranch import ranch
@@ -50,6 +51,7 @@ __all__ = [
     "ranch",
     "Session",
     "RankStatus",
+    "BackgroundWork",
     "in_torchddp",
     "TorchDDPCtx",
     "distributed",
@@ -58,6 +60,7 @@ __all__ = [
     "RankRaisedError",
     "RankExitedError",
     "PayloadError",
+    "RanksBusyError",
     "set_start_method",
     "get_start_method",
     "set_placement",

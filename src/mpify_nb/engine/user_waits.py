@@ -26,6 +26,9 @@ class UserWaits:
     def __init__(self, wake: Callable[[], None]) -> None:
         self._wake = wake
         self.prompter: Optional[prompts.Prompter] = None
+        #: refusal(rank): why no one can answer this call's prompts (it runs in the background:
+        #: engine/background.py); None: they are asked of the user
+        self.refusal: Optional[Callable[[int], str]] = None
         self._pause_lock = threading.Lock()
         self._paused: set[int] = set()  # ranks held at a debugger's breakpoint now
         self._paused_since: Optional[float] = None
@@ -40,6 +43,10 @@ class UserWaits:
 
     def ask(self, rank: int, prompt: str, reply: Callable[[Any], None]) -> None:
         """Rank ``rank`` reads its stdin: ask the user; ``reply(answer)`` from the loop."""
+        refusal = self.refusal
+        if refusal is not None:  # its read raises StdinUnavailableError, saying why
+            reply((prompts.UNAVAILABLE, refusal(rank)))
+            return
         if self.prompter is None:
             self.open_prompts()
         assert self.prompter is not None

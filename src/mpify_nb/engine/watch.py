@@ -143,6 +143,20 @@ class Watch:
         self._finish_round(time.monotonic())
         return dict(self.snaps)
 
+    def look_for(self, stack: bool = True, within: float = 1.5) -> dict[int, Snapshot]:
+        """From a thread other than the loop's (``BackgroundWork.where()``): a round of looks at the
+        loop's next turn, with stacks, waited for at most ``within`` seconds while the call goes on;
+        ``{}`` when the call is over or no round completed in time."""
+        with self.cond:
+            if not self.active:
+                return {}
+            wanted = self.rounds_done + (2 if self.asked else 1)  # a round under way has no stacks
+            self.wanted_stack = stack
+        self.engine.wake()
+        with self.cond:
+            self.cond.wait_for(lambda: self.rounds_done >= wanted or not self.active, timeout=within)
+            return dict(self.last_round) if self.rounds_done >= wanted else {}
+
     def where_text(self, short: bool = False, snaps: Optional[dict[int, Snapshot]] = None) -> str:
         """Where each rank of the call is, from the latest complete round of looks (or ``snaps``):
         verdict.where_text's words; "" before the first look."""

@@ -46,7 +46,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from ..engine import core, interrupts, members
+from ..engine import background, core, interrupts, members
 from ..rank import checks as rank_checks
 from ..relay.pipes import OutputRelay
 from ..start import environ, placement, template
@@ -106,14 +106,22 @@ class Call(WatchedCall):
         self.engine.on_wake = self._on_wake
         self.ranks: dict[int, _Rank] = self.engine.members
         self.watch = self.engine.watch  # the collective watch (engine/watch.py)
+        #: ranch(wait=False): this thread runs background work, which its handle stops (not the
+        #: stop button: that is the cell's running now), and whose ranks' prompts are refused
+        self.work = background.current()
+        if self.work is not None:
+            self.work.attach(self.engine, self.interrupt_from_signal, self.where_now)
 
     # -- the whole call ------------------------------------------------------------------
 
-    def run(self, packed: payload.PackedCall, fn, args, kwargs, ctx) -> list:
-        with own_rank.process_claimed(self.caller_rank is not None), interrupts.presses.during_call():
+    def run(self, packed: payload.PackedCall, fn, args, kwargs, ctx, claimed: bool = False) -> list:
+        """The call, start to end; ``claimed``: the process was claimed for its own rank already
+        (background work: by the cell that started it)."""
+        with own_rank.process_claimed(self.caller_rank is not None and not claimed), \
+                interrupts.presses.during_call():
             if self.own.on_main_thread:
                 interrupts.install()
-            else:
+            elif self.work is None:
                 interrupts.register(self)  # the stop button reaches us through the main thread
             try:
                 return self._run(packed, fn, args, kwargs, ctx)

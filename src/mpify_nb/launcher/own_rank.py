@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any, Callable, Optional
 
-from ..engine import interrupts
+from ..engine import background, interrupts
 from ..torchdist import compat, groups, libraries
 from .stopping import SafeStop, set_async_exception
 
@@ -35,27 +35,44 @@ class Aborted(BaseException):
 #: Held by the one call that plays a rank in this process (it owns os.environ & co meanwhile).
 caller_rank_lock = threading.Lock()
 caller_rank_owner = ""
+caller_rank_work: Optional[background.BackgroundWork] = None  # the owner, when it runs in the background
+
+
+def claim_process(work: Optional[background.BackgroundWork] = None) -> None:
+    """Claim this process for a call that plays a rank in it (``work``: background work that
+    will, from its own thread; the claim is released there). Raises RanksBusyError when another
+    call has it: two cannot share this process's os.environ, torch.distributed group and streams."""
+    global caller_rank_owner, caller_rank_work
+    if not caller_rank_lock.acquire(blocking=False):
+        holder = caller_rank_work
+        if holder is not None:
+            owner, wait = f"{holder.label()}, {holder.state()}", ": its .result() waits for it, its .cancel() stops it"
+        else:
+            owner, wait = f"on thread {caller_rank_owner!r}", ""
+        raise background.RanksBusyError(
+            f"ranch: another call that plays a rank in this process is running ({owner}{wait}); two "
+            "cannot share this process's os.environ, torch.distributed group and streams. Wait for it "
+            "to finish, or pass caller_rank=None: calls in which every rank is a new process may run "
+            "side by side.", holder)
+    caller_rank_owner = threading.current_thread().name
+    caller_rank_work = work
 
 
 @contextlib.contextmanager
-def process_claimed(plays_a_rank: bool) -> Iterator[None]:
+def process_claimed(plays_a_rank: bool, claimed: bool = False) -> Iterator[None]:
     """While a call plays a rank in this process, no other call may (``plays_a_rank`` False: a
-    call whose every rank is a new process claims nothing)."""
-    global caller_rank_owner
+    call whose every rank is a new process claims nothing). ``claimed``: claim_process() was
+    called for it already (background work: by the cell that started it); released here."""
+    global caller_rank_work
     if not plays_a_rank:
         yield
         return
-    if not caller_rank_lock.acquire(blocking=False):
-        raise RuntimeError(
-            f"ranch: another call that plays a rank in this process is running (on thread "
-            f"{caller_rank_owner!r}); two cannot share this process's os.environ, torch.distributed "
-            "group and streams. Wait for it to finish, or pass caller_rank=None: calls in which "
-            "every rank is a new process may run side by side."
-        )
-    caller_rank_owner = threading.current_thread().name
+    if not claimed:
+        claim_process()
     try:
         yield
     finally:
+        caller_rank_work = None
         caller_rank_lock.release()
 
 

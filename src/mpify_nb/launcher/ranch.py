@@ -12,8 +12,10 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Optional
 
+from ..engine import background
 from ..wire import payload
 from ..wire.errors import PayloadError, RankError
+from . import own_rank
 from .call import Call
 
 
@@ -27,6 +29,7 @@ def ranch(
     need: str = "",
     imports: str = "",
     timeout: Optional[float] = None,
+    wait: bool = True,
     **kwargs: Any,
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` ranks and return the results.
@@ -48,6 +51,10 @@ def ranch(
             on the caller's rank too, so the notebook keeps the names they import.
         timeout: seconds for the whole call; past it every rank is stopped and
             ``TimeoutError`` is raised.
+        wait: False: return a :class:`BackgroundWork` at once, and run the call in the
+            background, the caller's rank on a thread of this process; its ``result()`` is
+            what the call returns. Its output goes to the cell that started it; the
+            notebook stays free meanwhile (the Background work guide).
 
     In every rank ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
     ``MASTER_ADDR`` and ``MASTER_PORT`` (a free port, new for each call) are set.
@@ -58,6 +65,8 @@ def ranch(
         PayloadError: ``fn``, an argument or ``ctx`` cannot be pickled (a TypeError).
         TimeoutError: ``timeout`` ran out; every rank was stopped.
         KeyboardInterrupt: the stop button (a kernel interrupt); every rank was stopped.
+        RanksBusyError: the caller would play a rank while another call (background work)
+            plays one in this process.
 
     Example (a notebook cell):
 
@@ -82,10 +91,40 @@ def ranch(
     if prepare is not None:
         prepare(nprocs, caller_rank)  # the ctx validates its options here, before anything starts
     packed = payload.pack_call(fn, args, kwargs, ctx, need, imports)  # PayloadError: nothing started yet
+    if not wait:
+        return _in_background(nprocs, fn, args, kwargs, packed, caller_rank, gather, ctx, imports, timeout)
     values = Call(nprocs, caller_rank, timeout, imports).run(packed, fn, args, kwargs, ctx)
+    return _gathered(values, gather, caller_rank)
+
+
+def _gathered(values: list, gather: bool, caller_rank: Optional[int]) -> Any:
     if gather:
         return values
     return None if caller_rank is None else values[caller_rank]
+
+
+def _in_background(nprocs: int, fn: Callable, args: tuple, kwargs: dict, packed: payload.PackedCall,
+                   caller_rank: Optional[int], gather: bool, ctx: Any, imports: str,
+                   timeout: Optional[float]) -> background.BackgroundWork:
+    """``ranch(..., wait=False)``: the same call on a thread of its own (engine/background.py). A
+    call that would play a rank here while another does is refused now, not on that thread."""
+    work = background.BackgroundWork(f"ranch({getattr(fn, '__qualname__', type(fn).__name__)})", range(nprocs))
+    plays = caller_rank is not None
+    if plays:
+        own_rank.claim_process(work)
+
+    def run() -> Any:
+        with own_rank.process_claimed(plays, claimed=True):  # released when the call is over
+            call = Call(nprocs, caller_rank, timeout, imports)
+            return _gathered(call.run(packed, fn, args, kwargs, ctx, claimed=True), gather, caller_rank)
+
+    try:
+        return work.start(run)
+    except BaseException:
+        if plays:
+            own_rank.caller_rank_lock.release()
+        packed.close_later()
+        raise
 
 
 def check_arguments(nprocs, fn, caller_rank, ctx, timeout) -> None:

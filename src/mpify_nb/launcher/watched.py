@@ -21,6 +21,7 @@ from typing import Any, Optional
 from ..engine import checked, core
 from ..engine import verdict as verdicts
 from ..engine.watch import Watch
+from ..engine.where import Where, where_of
 from ..start import placement
 from ..torchdist import waits
 from ..wire.errors import CollectiveError, RankError
@@ -161,6 +162,13 @@ class WatchedCall:
         if verdict is not None:
             raise CollectiveError([], [], rebuilt=None, what=verdict.what, kind=verdict.kind,
                                   culprit=verdict.culprit, after="the call's results were not returned")
+
+    def where_now(self, timeout: float) -> Where:
+        """Where each rank is now, its stack included, from any thread (``BackgroundWork.where()``):
+        a round of looks at the loop's next turn, the call going on."""
+        snaps = self.watch.look_for(stack=True, within=min(timeout, 1.5))
+        gone = {r: why for r, why in self._absent().items() if r not in snaps}
+        return where_of(snaps, self.engine.user_waits.waiting, gone)
 
     def _where_they_were(self) -> str:
         """Where the ranks were at the last look (for the stop button's KeyboardInterrupt)."""

@@ -10,6 +10,7 @@ lifecycle.py        the session's life: %dist_init, %dist_shutdown, %dist_reset,
 rank_cells.py       cells to the ranks: %%distributed, %%rank, %%local; a rank cell
                     run piece by piece, the names the ranks lack sent first
 data.py             data to and from the ranks: %dist_push, %dist_pull, %sync
+background.py       background work: a rank cell's --bg and --after, %dist_wait, %dist_stop
 views.py            %dist_view: labelled lines (figures in rank order) or a tab per rank
 router.py, auto.py  automatic mode: %dist_mode, the input transformer, which cells go
                     to the ranks and which lines stay; the ranks a %%rank line names

@@ -23,6 +23,8 @@ import re
 import sys
 from typing import Any, Optional
 
+from ..engine.background import RanksBusyError
+from .background import BUSY_HOW
 from .cell import show_briefly
 from .router import parse_ranks
 from .state import SessionState, usage
@@ -123,6 +125,7 @@ def lifecycle_magics_class() -> type:
             try:
                 self.state.session = Session(args.num_processes, ddp=True, gpus=gpus, backend=args.backend)
                 self.state.session.restart_how = "%dist_restart"
+                self.state.session.busy_how = BUSY_HOW
             except (ValueError, RuntimeError) as e:
                 if isinstance(e, RankError):
                     raise
@@ -162,9 +165,11 @@ def lifecycle_magics_class() -> type:
                 self.state.router.automatic = False
                 return
             n = self.state.session.world_size
+            work = self.state.session._busy
             self.state.session.close()
             self.state.router.automatic = False
-            print(f"{n} ranks stopped. Automatic mode off.")
+            print(f"{n} ranks stopped" + (f", and with them {work.label()}" if work is not None else "")
+                  + ". Automatic mode off.")
 
         @magic_arguments()
         @argument("-n", "--nuclear", action="store_true", help="accepted for nbdistributed notebooks; "
@@ -189,6 +194,7 @@ def lifecycle_magics_class() -> type:
         def forget(self) -> None:
             """Stop the ranks and forget the session: options, automatic mode, %debug back to IPython's."""
             s, self.state.session = self.state.session, None
+            self.state.background = None
             self.state.router.automatic = False
             self.state.view = "lines"
             self.state.timeout = None
@@ -218,6 +224,9 @@ def lifecycle_magics_class() -> type:
             before = {r.rank: r.state for r in s.status()}
             try:
                 s.restart(ranks)
+            except RanksBusyError as e:
+                show_briefly(e)
+                raise
             except KeyboardInterrupt as e:
                 show_briefly(e, ["KeyboardInterrupt: %dist_restart was interrupted once it was done "
                                  "(%dist_status shows the ranks)"])
@@ -283,14 +292,17 @@ def lifecycle_magics_class() -> type:
                 return
             text, table = status_table(self.state.session.status())
             mode = f"automatic mode {'on' if self.state.router.automatic else 'off'}"
+            work = self.state.session._busy
+            if work is not None:
+                mode += f"; background: {work.what} started in {work.cell or 'a cell'}, {work.state()}"
             publish_display_data({"text/plain": f"{text}\n({mode})",
                                   "text/html": f"{table}<p>{html.escape(mode)}</p>"})
 
         @line_magic
         def dist_where(self, line: str) -> None:
             """Where each rank is: its Python stack (the cell's lines included) and the collectives it
-            waits in. Between cells a rank is idle; a cell left running on another thread (or a
-            rank still in one) shows where it is.
+            waits in. Between cells a rank is idle; background work (``%%distributed --bg``), a cell
+            left running on another thread, or a rank still in one shows where it is.
 
             Example::
 

@@ -11,6 +11,8 @@ calls, its pieces in order::
 
 Names a piece reads that a rank lacks and the notebook has go to that rank first (names.py
 finds them). What the ranks show goes through the cell's view (views.py: labelled lines or tabs).
+With ``--bg`` the cell's code goes as background work, with ``--after`` the cell first waits for
+the ranks (background.py).
 The session magics' state is session.py's SessionState, shared with the other groups.
 """
 
@@ -22,12 +24,15 @@ from typing import Any, Optional, cast
 
 from ..rank import cells as on_ranks
 from ..wire.errors import RankError
+from . import background
 from .auto import Piece, split_cell
 from .cell import CellSyntaxError, cell_number, ends_with_semicolon, labelled, rank_list, show_briefly
 from .names import notebook_names_for
 from .router import parse_ranks
 from .state import SessionState, usage
 from .views import make_view, tabs_unavailable
+
+_RANK_USAGE = "%%rank [0,1] | [0-2] [--bg] [--after]"
 
 
 @functools.cache
@@ -47,9 +52,14 @@ def rank_cell_magics_class() -> type:
             self._sh: Any = shell  # IPython's shell (never None once registered)
 
         @magic_arguments()
-        @kwds(usage="%%distributed [--to ranks|both]")
+        @kwds(usage="%%distributed [--to ranks|both] [--bg] [--after]")
         @argument("--to", choices=["ranks", "both"], default="ranks",
                   help="ranks: every rank (default); both: the kernel first, then every rank")
+        @argument("--bg", action="store_true",
+                  help="run it in the background: the cell returns at once, the ranks' output keeps "
+                       "coming to it while other cells run (%%dist_wait, %%dist_stop, %%dist_pull)")
+        @argument("--after", action="store_true",
+                  help="first wait until no background work holds the ranks (else such a cell is refused)")
         @argument("--auto", action="store_true", help="(used by automatic mode)")
         @cell_magic
         def distributed(self, line: str, cell: str) -> None:
@@ -60,6 +70,11 @@ def rank_cell_magics_class() -> type:
             the last expression's value is shown per rank. A rank that raises fails the
             cell with its traceback; the other ranks keep their state.
 
+            ``--bg`` runs it in the background: the cell returns at once and the notebook stays
+            free; the ranks' output, values and errors keep coming to this cell. Meanwhile
+            ``%dist_pull`` reads the ranks' variables as they are, ``%dist_wait`` waits for it,
+            ``%dist_stop`` stops it, and another rank cell is refused unless it says ``--after``.
+
             Example::
 
                 %%distributed --to both
@@ -69,17 +84,17 @@ def rank_cell_magics_class() -> type:
             try:
                 args = parse_argstring(self.distributed, line)
             except UsageError as e:
-                raise usage("distributed", str(e), "%%distributed [--to ranks|both]") from None
+                raise usage("distributed", str(e), "%%distributed [--to ranks|both] [--bg] [--after]") from None
             if args.auto and self.state.router.in_silent_cell():
                 self._run_in_kernel(cell, 1, self._sh.compile.cache(cell, cell_number(self._sh)), show=False)
                 return
             header = None if args.auto else f"%%distributed {line}".rstrip()
-            self._run_cell(cell, header, ranks=None, both=args.to == "both")
+            self._run_cell(cell, header, ranks=None, both=args.to == "both", bg=args.bg, after=args.after)
 
         @cell_magic
         def rank(self, line: str, cell: str) -> None:
             """Run this cell on the ranks listed: ``%%rank [0]``, ``%%rank [0,2]``, ``%%rank [0-2]``
-            (``%%rank[0]`` works too).
+            (``%%rank[0]`` works too). ``--bg`` and ``--after`` as for ``%%distributed``.
 
             Example::
 
@@ -87,11 +102,17 @@ def rank_cell_magics_class() -> type:
                 model = torch.nn.Linear(4, 2)
             """
             s = self.state.require("rank")
+            words = line.split()
+            options = {w for w in words if w.startswith("--")}
+            unknown = options - {"--bg", "--after"}
+            if unknown:
+                raise usage("rank", f"unknown option {sorted(unknown)[0]}", _RANK_USAGE)
             try:
-                ranks = parse_ranks(line, s.world_size)
+                ranks = parse_ranks(" ".join(w for w in words if w not in options), s.world_size)
             except ValueError as e:
-                raise usage("rank", str(e), "%%rank [0,1] | [0-2]") from None
-            self._run_cell(cell, f"%%rank {line}".rstrip(), ranks=ranks, both=False)
+                raise usage("rank", str(e), _RANK_USAGE) from None
+            self._run_cell(cell, f"%%rank {line}".rstrip(), ranks=ranks, both=False, bg="--bg" in options,
+                           after="--after" in options)
 
         @cell_magic
         def local(self, line: str, cell: str) -> None:
@@ -116,10 +137,15 @@ def rank_cell_magics_class() -> type:
 
         # -- running a rank cell -----------------------------------------------------------
 
-        def _run_cell(self, cell: str, header: Optional[str], ranks: Optional[list[int]], both: bool) -> None:
-            """Run a rank cell: its pieces in order (kernel lines in the kernel, code on ``ranks``)."""
+        def _run_cell(self, cell: str, header: Optional[str], ranks: Optional[list[int]], both: bool,
+                      bg: bool = False, after: bool = False) -> None:
+            """Run a rank cell: its pieces in order (kernel lines in the kernel, code on ``ranks``);
+            ``bg``: its code as background work; ``after``: once no background work holds the
+            ranks (background.py)."""
             shell = self._sh
             s = self.state.require("distributed" if ranks is None else "rank")
+            if after:
+                background.wait_for_the_ranks(self.state)
             view = self._cell_view(ranks)
             # The ranks compile the cell under the file name the frontend gives it (the hash of the text
             # it sent), so a breakpoint set in the cell's gutter stops them at that line.
@@ -135,6 +161,9 @@ def rank_cell_magics_class() -> type:
             if both:
                 self._run_in_kernel(cell, first, filename)
             quiet = ends_with_semicolon(cell)
+            if bg:
+                self._start_in_background(s, plan.pieces, ranks, filename, view, header, quiet)
+                return
             for i, piece in enumerate(plan.pieces):
                 last = i == len(plan.pieces) - 1
                 if piece.kind == "kernel":
@@ -158,6 +187,19 @@ def rank_cell_magics_class() -> type:
                     raise
                 if last and not quiet and values:
                     view.values(values)
+
+        def _start_in_background(self, s: Any, pieces: list[Piece], ranks: Optional[list[int]], filename: str,
+                                 view: Any, header: Optional[str], quiet: bool) -> None:
+            """``--bg``: the cell's code, the names it needs sent first, to the ranks as background work."""
+            what = header.split(" --")[0] if header else "%%distributed"
+            others = [p for p in pieces if p.kind != "ranks"]
+            if others:
+                raise usage(what.split()[0].lstrip("%"), "--bg sends the cell's code to the ranks in the background; "
+                            f"its line {others[0].lineno} is not code for the ranks (a %magic, !shell or %time "
+                            "line, which would run at the wrong time): run it in a cell of its own")
+            if pieces:
+                self._send_missing_names(pieces[0], s, ranks)
+                background.start(self.state, s, pieces[0].source, ranks, filename, view, what, quiet)
 
         def _parse(self, source: str, filename: str) -> ast.Module:
             try:

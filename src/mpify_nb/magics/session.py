@@ -31,7 +31,8 @@ session magics: one Magics class per group of them, each given the one SessionSt
                    ├── RankCellMagics  (rank_cells.py)  %%distributed %%rank %%local
                    ├── DataMagics      (data.py)        %dist_push %dist_pull %sync
                    ├── ViewMagics      (views.py)       %dist_view
-                   └── ModeMagics      (router.py)      %dist_mode
+                   ├── ModeMagics      (router.py)      %dist_mode
+                   └── BackgroundMagics (background.py) %dist_wait %dist_stop (a rank cell's --bg, --after)
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from __future__ import annotations
 import atexit
 from typing import Any, Optional
 
+from .background import background_magics_class
 from .cell import name_magic_calls_apart
 from .data import data_magics_class
 from .lifecycle import lifecycle_magics_class
@@ -67,7 +69,7 @@ def session():
 def magics_classes() -> tuple[type, ...]:
     """The session magics' classes, one per group (built on first use: they need IPython)."""
     return (lifecycle_magics_class(), rank_cell_magics_class(), data_magics_class(), view_magics_class(),
-            mode_magics_class())
+            mode_magics_class(), background_magics_class())
 
 
 class Loaded:

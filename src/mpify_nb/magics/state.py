@@ -6,6 +6,8 @@ object that every group of magics is given (session.py makes it and registers th
                  ── view         "lines" or "tabs" (%dist_view)
                  ── router       automatic mode's input transformer (router.py)
                  ── ipython_debug  IPython's own %debug, while the failed rank's stands in for it
+                 ── background   the background work a rank cell started (--bg), for %dist_wait
+                                 and %dist_stop (background.py)
 
 It also says how a session magic fails: ``require`` (no ranks running), ``usage`` (a bad line),
 ``call`` (a Session call whose error reads as the user's, not as the library's frames).
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from ..engine.background import RanksBusyError
 from ..wire.errors import PayloadError
 from .cell import show_briefly
 
@@ -40,6 +43,7 @@ class SessionState:
         self.view = "lines"
         self.router = router  # router.py's CellRouter
         self.ipython_debug: Optional[Callable[[str], Any]] = None  # IPython's own %debug
+        self.background: Any = None  # the BackgroundWork a rank cell started, until %dist_wait told its end
 
     def require(self, magic: str):
         """The running Session; a usage error for ``%magic`` when no ranks run."""
@@ -59,6 +63,6 @@ class SessionState:
         except TimeoutError as e:
             show_briefly(e)
             raise
-        except (NameError, PayloadError) as e:  # a pull's: the message says it all
+        except (NameError, PayloadError, RanksBusyError) as e:  # the message says it all
             show_briefly(e)
             raise

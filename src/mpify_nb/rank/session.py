@@ -15,6 +15,8 @@ socketpair. It then never exits on its own::
                                                           destroy the group (unsticks them);
                  ── LOOK round ────────────────────────> what the main thread waits in, torch's
                  <── SEEN (round, snapshot) ───────────  recorder (torchdist/waits.py)
+                 ── PEEK name ─────────────────────────> a thread of its own pickles __main__[name]
+                 <── PEEKED value (memfds) ────────────  as it is now, beside the main thread
                  ── DEBUG / <── DEBUG ─────────────────  the frontend's debugger (rank/debugger.py)
                   (control channel closes) ───────────> the caller is gone: kill self
 
@@ -37,6 +39,7 @@ import pickle
 import signal
 import socket
 import sys
+import threading
 import time
 from typing import Any
 
@@ -56,6 +59,8 @@ from ..wire.protocol import (
     GROUP,
     MISSING,
     NO_REQUEST,
+    PEEK,
+    PEEKED,
     PULL,
     PUSH,
     READY,
@@ -107,7 +112,31 @@ def _abort_group(state: RankState, control: socket.socket, req_id: int, body: An
     rank_control.send(control, pack(ABORTED, req_id))  # the caller rebuilds only after every ack
 
 
+def _peek(state: RankState, control: socket.socket, req_id: int, body: Any) -> None:
+    """PEEK: the caller reads a variable while a call runs here (a live pull). Read and pickled on
+    a thread of its own, beside the main thread, which is not stopped (no lock: what that can see is
+    in docs/guide/background.md); the control thread stays free for interrupts and looks."""
+    threading.Thread(target=_send_peeked, args=(control, req_id, pickle.loads(body)), name="mpify_nb-peek",
+                     daemon=True).start()
+
+
+def _send_peeked(control: socket.socket, req_id: int, name: str) -> None:
+    namespace = sys.modules["__main__"].__dict__
+    fds: list[int] = []
+    try:
+        if name not in namespace:
+            reply = b"\x00" + pickle.dumps(("name", f"name {name!r} is not defined on rank {namespace.get('rank')}"))
+        else:
+            data, fds = payload.pack_result(namespace[name])
+            reply = b"\x01" + data
+    except Exception as e:
+        reply = b"\x00" + pickle.dumps(("payload", f"{type(e).__name__}: {safe_str(e)}"))
+    rank_control.send(control, pack(PEEKED, req_id, reply), fds)
+    payload.close_fds(fds)
+
+
 rank_control.on(ABORT_GROUP, _abort_group)
+rank_control.on(PEEK, _peek)
 rank_control.on(COMM_ACK, lambda state, control, req_id, body: comms.acked(pickle.loads(body)))
 
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterable
 from typing import Any, Callable, Optional, Union
 
-from ..engine import checked, interrupts
+from ..engine import background, checked, interrupts
 from ..engine import verdict as verdicts
 from ..torchdist.checks import wrappers
 from ..wire import payload, shm
@@ -29,6 +29,9 @@ Ranks = Union[int, Iterable[int], None]
 
 class SessionCalls(SessionRecovery):
     """A Session's one call at a time."""
+
+    interrupt: Callable[[], None]  # session.py's public calls: what stops a call, where its ranks are
+    where: Callable[[float], Any]
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
@@ -44,6 +47,23 @@ class SessionCalls(SessionRecovery):
         self._where_done = threading.Event()
         self._where_seen: dict[int, Any] = {}
         self._checks_sent = wrappers.enabled()  # the collective check, as the ranks start with it
+        #: the background work that holds the ranks (session/background.py): other calls are refused
+        self._busy: Optional[background.BackgroundWork] = None
+
+    #: What a call refused while background work holds the ranks says to do (the magics say
+    #: %dist_wait and %dist_stop).
+    busy_how = "its .result() waits for it, its .cancel() stops it (the ranks keep their state)"
+
+    def _refuse_if_busy(self) -> None:
+        """Background work holds the ranks (and this is not its thread): RanksBusyError, which
+        says which work, since when, and how to wait for it or stop it."""
+        work = self._busy
+        if work is not None and work is not background.current():
+            ranks = work.ranks
+            who = f"rank {ranks[0]} runs" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} run"
+            raise background.RanksBusyError(
+                f"{who} {work.label()} ({work.state()}): this call would wait for it or interleave with "
+                f"it, so it was not sent; {self.busy_how}", work)
 
     def _targets(self, ranks: Ranks) -> list[int]:
         if ranks is None:
@@ -69,6 +89,8 @@ class SessionCalls(SessionRecovery):
             timeout = self.timeout
         check_timeout(timeout)
         targets = self._targets(ranks)
+        self._check_open()
+        self._refuse_if_busy()
         with self._call_lock, interrupts.presses.during_call():
             self._check_open()
             self._notice_deaths()
@@ -82,7 +104,12 @@ class SessionCalls(SessionRecovery):
             self._display = display
             with self._flag_lock:
                 self._current, self._interrupt_asked = req, False
-            restore = interrupts.take_sigint(self._on_sigint, self)
+            work = background.current()
+            if work is None:
+                restore = interrupts.take_sigint(self._on_sigint, self)
+            else:  # background work: its handle stops it (interrupt()), the stop button the cell's
+                restore = _nothing
+                work.attach(self._engine, self.interrupt, self.where)
             garbage = shm.garbage_mark()
             # a per-rank view takes the ranks' streams (magics/views.py)
             self._engine.relay.retarget(sys.stdout, sys.stderr, getattr(display, "rank_streams", None))
@@ -101,6 +128,8 @@ class SessionCalls(SessionRecovery):
                 self.last_error = e
                 raise
             finally:
+                if work is not None:
+                    work.detach()  # before the ranks are free: the next call's prompts are its own
                 self._engine.watch.end()
                 self._engine.user_waits.close_prompts()
                 with self._flag_lock:
@@ -241,6 +270,10 @@ class SessionCalls(SessionRecovery):
                                   after=f"every rank keeps its state, rank {wrong.culprit}'s with the wrong value")
         return values
 
+
+
+def _nothing() -> None:
+    pass
 
 
 def check_timeout(timeout: Optional[float]) -> None:

@@ -57,26 +57,27 @@ from __future__ import annotations
 
 import ast
 import itertools
+import linecache
 import os
 import pickle
 import threading
-import time
 import weakref
 from collections.abc import Iterable
 from typing import Any, Callable, Optional
 
 from ..engine import interrupts
-from ..engine import verdict as verdicts
+from ..engine.where import where_of
 from ..start import placement
 from ..torchdist.groups import parse_gpus
 from ..wire import payload
 from ..wire.errors import PayloadError, RankError
 from ..wire.protocol import APPLY, MISSING, NO_REQUEST, PULL, PUSH, RUN
-from .calls import Ranks, SessionCalls, check_timeout
+from .background import SessionBackground
+from .calls import Ranks, check_timeout
 from .status import RankStatus, RankWhere, Where, _rss
 
 
-class Session(SessionCalls):
+class Session(SessionBackground):
     """N persistent ranks (0..N-1, all child processes) with a ``torch.distributed`` group,
     whose namespaces live across calls.
 
@@ -145,7 +146,7 @@ class Session(SessionCalls):
 
     def run(self, source: str, ranks: Ranks = None, timeout: Optional[float] = None, *,
             filename: Optional[str] = None, display: Optional[Callable[[int, dict], None]] = None,
-            ) -> dict[int, Any]:
+            wait: bool = True) -> Any:
         """Run ``source`` in each rank's namespace; return ``{rank: value of its last expression}``
         (None when the source does not end with an expression, or ends with ``;``).
 
@@ -153,20 +154,32 @@ class Session(SessionCalls):
         ``display(rank, mimebundle)`` is called here for ``display(obj)`` on a rank (default:
         its text printed, labelled). Output is live, ``[rank k] ...``.
 
+        ``wait=False``: return a :class:`BackgroundWork` at once and run it in the background,
+        holding every rank (another call is refused meanwhile: ``RanksBusyError``); its output
+        goes to the cell that started it, ``pull`` reads the ranks' variables as they are now,
+        its ``result()`` is this dict.
+
         Raises ``RankRaisedError`` (identical errors of several ranks merged),
         ``CollectiveError``, ``RankExitedError``, ``TimeoutError``, ``KeyboardInterrupt``;
         after each of them the session stays usable (dead ranks need ``restart()``).
 
         >>> s.run("x = rank * 10\\nx + 1")
         {0: 1, 1: 11}
+        >>> h = s.run("for step in range(10**6): loss = 1 / (step + 1)", wait=False)
+        >>> s.pull("step")           # while it runs
+        4127
         """
         if not isinstance(source, str):
             raise TypeError(f"source must be a str, not {type(source).__name__}")
         if filename is None:
             filename = f"<session cell {next(self._cells)}>"
+            linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # for where()
         ast.parse(source, filename, "exec")  # a SyntaxError is raised here, once, not by every rank
         body = pickle.dumps((source, filename, _wants_value(source)))
         first = next((line.strip() for line in source.splitlines() if line.strip()), "")
+        if not wait:
+            return self._in_background("Session.run", self._targets(ranks),
+                                       lambda: self._call(RUN, body, [], ranks, timeout, display, first))
         return self._call(RUN, body, [], ranks, timeout, display, first)
 
     def apply(self, fn: Callable, *args: Any, ranks: Ranks = None, timeout: Optional[float] = None,
@@ -218,12 +231,18 @@ class Session(SessionCalls):
         A name a rank lacks raises ``NameError`` naming the rank; a value that cannot be
         pickled (a generator, an open file) raises ``PayloadError``.
 
+        While a call runs (background work, a call on another thread), it is read as it is then,
+        beside the running code, which goes on (the Background work guide: what such a read sees).
+
         >>> s.pull("loss")            # rank 0's
         >>> s.pull("loss", rank=None) # [rank 0's, rank 1's, ...]
         """
         targets = None if rank is None else [rank]
         try:
-            values = self._call(PULL, pickle.dumps(name), [], targets, None, None, None)
+            if self._busy_elsewhere():
+                values = self._peek(name, self._targets(targets))
+            else:
+                values = self._call(PULL, pickle.dumps(name), [], targets, None, None, None)
         except RankError as e:
             cause = e.__cause__
             who = f"rank {e.ranks[0]}" if len(e.ranks) == 1 else f"ranks {e.ranks}"
@@ -289,14 +308,7 @@ class Session(SessionCalls):
         rank 1: idle
         """
         self._check_open()
-        snaps = self._look_at_ranks(timeout)
-        now = time.time_ns()
-        out = Where()
-        for r in sorted(snaps):
-            snap = snaps[r]
-            out[r] = RankWhere(r, verdicts.doing_text(snap, now, self._engine.user_waits.waiting(r)), snap.where,
-                               verdicts.stack_lines(snap), [verdicts.op_text(o) for o in snap.pending])
-        return out
+        return where_of(self._look_at_ranks(timeout), self._engine.user_waits.waiting)
 
     def interrupt(self) -> None:
         """Stop what the ranks run now (what the notebook's stop button does); callable from
@@ -315,6 +327,7 @@ class Session(SessionCalls):
         >>> s.restart()        # after rank 1 was killed
         >>> s.restart([0])     # a fresh rank 0, even though it was alive
         """
+        self._refuse_if_busy()
         with self._call_lock:
             self._check_open()
             self._notice_deaths()

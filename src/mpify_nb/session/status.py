@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
+
+from ..engine.where import RankWhere, Where
 
 
 @dataclass
@@ -52,40 +54,12 @@ class RankStatus:
     node: str = "127.0.0.1"
 
 
-@dataclass
-class RankWhere:
-    """One rank in :meth:`Session.where`: what it does (``"waits in all_reduce #5 of float32[4]
-    (12 s)"``, ``"running"``, ``"blocked in sleep()"``, ``"idle"``), its line, its Python stack
-    (as a traceback shows it) and the collectives it has issued that have not completed."""
-
-    rank: int
-    doing: str
-    line: Optional[tuple[str, int]]
-    stack: list[str]
-    pending: list[str]
-
-    def __str__(self) -> str:
-        head = f"rank {self.rank}: {self.doing}"
-        body = [f"  {line}" for line in self.stack]
-        if self.pending:
-            body.append(f"  pending: {'; '.join(self.pending)}")
-        return "\n".join([head, *body])
-
-
-class Where(dict):
-    """:meth:`Session.where`'s answer: ``{rank: RankWhere}``, shown as each rank's block."""
-
-    def __str__(self) -> str:
-        return "\n".join(str(self[r]) for r in sorted(self))
-
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(str(self))
-
-
-
 def _rss(pid: int) -> Optional[int]:
     try:
         with open(f"/proc/{pid}/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
+
+
+__all__ = ["RankStatus", "RankWhere", "Where"]

@@ -82,8 +82,8 @@ class _Pickler(failpath.PathTracker, dill.Pickler):
         self._storages: dict[int, Any] = {}  # storage address -> fd index (a tuple: pieces)
         self._piece_budget = _PIECE_BUDGET
         self._classes_by_name = classes_by_name
-        self._torch = sys.modules.get("torch")  # no torch imported: no tensors to look for
-        self._numpy = sys.modules.get("numpy")
+        self._torch = shm.loaded("torch")  # no torch imported: no tensors to look for
+        self._numpy = shm.loaded("numpy")
 
     def save_specially(self, obj, save_persistent_id: bool) -> bool:
         """A class of the notebook: made from its functions and constants, the rest set on it

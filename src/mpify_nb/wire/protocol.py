@@ -23,6 +23,7 @@ CHECKS = b"K"  # a Session's request: the collective check on or off from now on
 INTERRUPT, ABORT_GROUP, ANSWER = b"i", b"x", b"n"
 LOOK = b"w"  # the caller looks at the rank (engine/watch.py): what it waits in, where it is; SEEN answers
 PEEK_STDIN = b"k"  # its stdout holds a partial line (a prompt?): is a thread reading fd 0 itself? (ASK RAW)
+PEEK = b"v"  # a Session rank's variable, read now while a call runs (a live pull); PEEKED answers
 # -- from a rank ----------------------------------------------------------------------------------
 READY = b"R"  # started (a Session's rank: its group is up) or loaded (a ranch call)
 DONE, FAIL = b"D", b"F"  # the answer to a request: its value; (RemoteFailure, interrupted, meta)
@@ -32,6 +33,7 @@ IMPORTED = b"M"  # the modules a ranch rank imported (before its answer; see sta
 ABORTED = b"A"  # a Session rank cut its group's connections (ABORT_GROUP)
 SEEN = b"C"  # a rank's answer to LOOK: a torchdist.waits.Snapshot (from its control thread)
 RETURNED = b"I"  # a ranch rank's fn returned, its group still up: its Snapshot (before ctx.__exit__)
+PEEKED = b"V"  # the answer to PEEK: b"\x01" + the value (payload.pack_result; memfds), or b"\x00" + (why, text)
 # -- widgets (rank/comms.py, engine/comms.py): a frontend's comm message to a rank (its main thread, a request
 #    like a tiny cell); a rank's comm frame to the kernel (any thread); the caller passed on a frame
 #    marked "sync" (to the control thread)

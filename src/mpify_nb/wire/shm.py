@@ -114,10 +114,22 @@ def memfds_of(view: memoryview, max_pieces: int = COPY_THREADS) -> list[int]:
     return done
 
 
+def loaded(name: str) -> Any:
+    """Module ``name`` if this process has imported it (None if not), whole: while another thread
+    is still importing it (background work's first ``import torch``), wait for that import to end
+    rather than use a module half made."""
+    module = sys.modules.get(name)
+    if module is not None and getattr(getattr(module, "__spec__", None), "_initializing", False):
+        import importlib
+
+        module = importlib.import_module(name)  # waits on the module's import lock
+    return module
+
+
 def map_memfd(fd: int, private: bool):
     """Map a whole memfd as a flat uint8 tensor (numpy array when torch is not loaded here)."""
     size = os.fstat(fd).st_size
-    torch = sys.modules.get("torch")
+    torch = loaded("torch")
     if torch is not None:
         # torch maps the file itself and keeps no descriptor open (Python's mmap would keep
         # one per mapping for its whole life). shared=False is MAP_PRIVATE.
@@ -221,7 +233,7 @@ def map_windows(windows: list[tuple[int, int, int]], private: bool):
 
 
 def _copied(parts: list):
-    torch = sys.modules.get("torch")
+    torch = loaded("torch")
     if torch is not None:
         return torch.cat(parts)
     import numpy
@@ -232,7 +244,7 @@ def _copied(parts: list):
 def _flat_view(address: int, nbytes: int, base: int, length: int):
     """``nbytes`` at ``address`` as a flat uint8 tensor (numpy array without torch) that unmaps
     ``length`` bytes at ``base`` when the last tensor or array on it goes."""
-    torch = sys.modules.get("torch")
+    torch = loaded("torch")
     if nbytes == 0:
         if torch is not None:
             return torch.empty(0, dtype=torch.uint8)
