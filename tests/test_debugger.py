@@ -269,10 +269,26 @@ def test_a_peer_waiting_on_a_stopped_rank_is_no_error_and_timeout_does_not_run(n
 def test_a_mismatch_waits_while_a_rank_is_stopped_and_is_reported_once_it_goes_on(nb):
     """Rank 1 issued a broadcast that rank 0's all_reduce can never match, then stops at a
     breakpoint: no verdict while the user debugs it (it waits for the user, as at a prompt);
-    the CollectiveError comes once it goes on, and the group works again."""
+    the CollectiveError comes once it goes on, and the group works again. That is the collective
+    watch's verdict, with the collective check off: on (the default), the check ends the cell at
+    the broadcast itself, before rank 1 reaches its breakpoint."""
     code = ("t = torch.ones(1)\nif rank == 1:\n    w = dist.broadcast(t, 0, async_op=True)\n    held = 1\n"
             "    w.wait()\nelse:\n    dist.all_reduce(t)")
     nb.breakpoints(code, [4])
+    checked = nb.finish(nb.start(code))
+    assert checked.ename == "CollectiveError", checked
+    assert re.search(r"the ranks called collectives that cannot match \(a different op\): rank 0 at Cell "
+                     rf"In\[{checked.number}\], line 7: all_reduce #(\d+) of float32\[1\]; rank 1 at line 3: broadcast "
+                     r"#\1 of float32\[1\] from rank 0; no rank entered it", 
+                     checked.traceback), checked.traceback
+    nb.ok("%%local\nfrom mpify_nb import set_collective_checks\nset_collective_checks(False)")
+    try:
+        _a_mismatch_waits_for_a_stopped_rank(nb, code)
+    finally:
+        nb.ok("%%local\nset_collective_checks(True)")
+
+
+def _a_mismatch_waits_for_a_stopped_rank(nb, code):
     threads = rank_threads(nb)
     cell = nb.start(code)
     assert nb.next_event("stopped")["body"]["threadId"] == threads[1]

@@ -20,6 +20,7 @@ import os
 import re
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -176,6 +177,51 @@ def test_verdicts_on_nccl_entries(case, expected):
     snaps = _nccl(cases[case])
     found = verdicts.judge(snaps, 2, {}, previous=snaps)
     assert found is not None and found.what == expected
+
+
+def _gloo_records_and_the_check_calls():
+    """On a rank: what gloo's recorder holds of FSDP's calls (all_gather_single, then
+    reduce_scatter_single), and how a rank waiting in its check holds the same calls, and a float64 one."""
+    from dataclasses import replace
+
+    import torch
+    import torch.distributed as dist
+
+    from mpify_nb.torchdist import waits
+    from mpify_nb.torchdist.checks import calls
+    from mpify_nb.torchdist.recorder import Op
+
+    dist.all_gather_single(torch.empty(34), torch.ones(17))
+    dist.reduce_scatter_single(torch.empty(17), torch.ones(34))
+    recorded = [replace(o, done=False) for o in waits.recorded_ops()[-2:]]
+
+    def called(kind, seq, **args):  # as groups.Group.op_of tells the watch (this module runs unchecked)
+        d = calls.describe(kind, args, lambda global_rank, group_rank: None)
+        return Op(d[0], recorded[0].group, None, seq, tuple(d[4]), tuple(d[5]), None, d[3], called=True)
+
+    return recorded, [called("all_gather_single", 1, output_tensor=torch.empty(34), input_tensor=torch.ones(17)),
+                      called("reduce_scatter_single", 2, output=torch.empty(17), input=torch.ones(34)),
+                      called("all_gather_into_tensor", 1, output_tensor=torch.empty(34, dtype=torch.float64),
+                             input_tensor=torch.ones(17, dtype=torch.float64))]
+
+
+@needs_gloo_recorder
+def test_a_rank_in_its_check_and_a_peer_in_gloo_are_one_collective_by_gloos_names():
+    """FSDP calls all_gather_single and reduce_scatter_single; gloo records them as all_gather and
+    all_reduce. A look that finds rank 1 still in its check (the call by the user's name) while
+    rank 0 is in gloo (by the recorder's) is no mismatch: examples/fsdp_tp.ipynb was told one,
+    "rank 0: all_gather #267 of float32[17]; rank 1: all_gather_single #267 of float32[17]"."""
+    recorded, (gather, scatter, gather64) = ranch(2, _gloo_records_and_the_check_calls, ctx=in_torchddp())[0]
+    assert [(o.kind, o.seq) for o in recorded] == [("all_gather", 1), ("all_reduce", 2)]
+    for ours, theirs in ((gather, recorded[0]), (scatter, recorded[1])):
+        assert recorder.why_apart(ours, theirs) is None and recorder.why_apart(theirs, ours) is None
+        snaps = {0: waits.Snapshot(0, (theirs,), label=f"dist.{theirs.kind}"),
+                 1: waits.Snapshot(1, (ours,), blocked=ours, label=f"dist.{ours.kind}")}
+        assert verdicts.judge(snaps, 2, {}, previous=snaps) is None
+    # what still differs, differs: another dtype, another op
+    assert recorder.why_apart(gather64, recorded[0]) == "different dtypes"
+    assert recorder.why_apart(gather, recorded[1]) == "a different op"
+    assert recorder.why_apart(replace(gather, called=False), recorded[0]) == "a different op"
 
 
 def test_nccl_ranks_that_are_merely_slow_are_no_verdict():

@@ -59,7 +59,9 @@ class Op:
     global ranks (None: the whole world); ``seq``: its number among the group's collectives
     (None for point-to-point, and for a call seen only on a stack); ``root``: a broadcast's or
     scatter's src, a reduce's or gather's dst, a send's or recv's peer (a global rank; None:
-    unknown); ``done``: it completed on this rank; ``issued_ns``: when (wall clock)."""
+    unknown); ``done``: it completed on this rank; ``issued_ns``: when (wall clock);
+    ``called``: told by the collective check a rank waits in (the call as the user made it,
+    not yet in the backend), not by the recorder."""
 
     kind: str
     group: Optional[str] = None
@@ -71,6 +73,7 @@ class Op:
     tag: Optional[int] = None
     done: bool = False
     issued_ns: int = 0
+    called: bool = False
 
     @property
     def is_p2p(self) -> bool:
@@ -190,7 +193,12 @@ def dtypes(tensors: Tensors) -> tuple[str, ...]:
 def why_apart(a: Op, b: Op) -> Optional[str]:
     """Why ``a`` and ``b`` (the same collective number of a group, on two ranks) cannot be the
     same collective: "a different op", "different sizes", ...; None when they can."""
-    if a.kind != b.kind:
+    kind_a, kind_b = _ALIASES.get(a.kind, a.kind), _ALIASES.get(b.kind, b.kind)
+    if kind_a != kind_b:
+        if a.called != b.called:  # one rank in its check, the other already in gloo
+            called, recorded = (a, b) if a.called else (b, a)
+            if _GLOO_RECORDS.get(_ALIASES.get(called.kind, called.kind)) == recorded.kind:
+                return _inputs_apart(called, recorded)
         return "a different op"
     kind = a.kind
     if kind in ROOTED and a.root is not None and b.root is not None and a.root != b.root:
@@ -205,6 +213,29 @@ def why_apart(a: Op, b: Op) -> Optional[str]:
     return None
 
 
+#: One call under torch's other names for it: compared as one.
+_ALIASES = {"all_gather_into_tensor": "all_gather_single", "_all_gather_base": "all_gather_single",
+            "reduce_scatter_tensor": "reduce_scatter_single", "_reduce_scatter_base": "reduce_scatter_single"}
+#: What gloo's recorder calls a call (torch 2.13): every all_gather form "all_gather", every
+#: reduce_scatter an "all_reduce" of its input. A rank seen in its collective check holds the call
+#: by the user's name while a peer past its check is seen by the recorder's: FSDP's
+#: ``all_gather_single`` is the same collective as a peer's recorded ``all_gather``.
+_GLOO_RECORDS = {"all_gather_single": "all_gather", "reduce_scatter_single": "all_reduce",
+                 "reduce_scatter": "all_reduce"}
+
+
+def _inputs_apart(called: Op, recorded: Op) -> Optional[str]:
+    """A call seen in the check against what gloo recorded of a peer's: its inputs are what gloo
+    records (a reduce_scatter's list is recorded tensor by tensor: not compared)."""
+    if called.kind == "reduce_scatter" or not called.inputs or not recorded.inputs:
+        return None
+    if set(dtypes(called.inputs)) != set(dtypes(recorded.inputs)):
+        return "different dtypes"
+    if sum(numel(called.inputs)) != sum(numel(recorded.inputs)):
+        return "different sizes"
+    return None
+
+
 def _compared(o: Op) -> Optional[Tensors]:
     """The tensors of ``o`` that must agree on every rank: what each rank itself passes (a
     gather's root also receives, a scatter's root also sends: those lists are not compared)."""
@@ -214,7 +245,7 @@ def _compared(o: Op) -> Optional[Tensors]:
         return o.inputs
     if o.kind == "barrier":
         return None
-    if o.kind in ("reduce_scatter", "reduce_scatter_tensor"):
+    if o.kind in ("reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base"):
         return o.outputs
     return o.inputs or o.outputs
 

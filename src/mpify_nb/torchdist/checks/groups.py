@@ -242,7 +242,7 @@ class Group:
         kind = d[0]
         root = self.members[d[2]] if isinstance(d[2], int) and 0 <= d[2] < self.size else None
         seq = None if kind in calls.P2P else number
-        return Op(kind, self.name, self.ranks, seq, tuple(d[4]), tuple(d[5]), root, d[3])
+        return Op(kind, self.name, self.ranks, seq, tuple(d[4]), tuple(d[5]), root, d[3], called=True)
 
     def number(self) -> Optional[int]:
         """The number the recorder gives this group's next collective (torch's own sequence,
