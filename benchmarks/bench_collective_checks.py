@@ -89,7 +89,7 @@ def _own_work(reps: int) -> list[float]:
         group = groups.Group(pg, "0", None, (0, 1), 0, shared, frozenset({"cpu"}))
         groups._groups[pg] = group
         x = torch.ones(1)
-        peer = groups._joined(calls.encode(calls.describe("all_reduce", {"tensor": x}, group.group_rank)),
+        peer = calls.joined(calls.encode(calls.describe("all_reduce", {"tensor": x}, group.group_rank)),
                               calls.encode(("<peer>", 1)), 1 << 20)
         params = ["tensor", "op", "group", "async_op"]
         times = []

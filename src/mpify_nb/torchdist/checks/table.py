@@ -16,10 +16,12 @@ as their mappings. Each rank writes only its own rings; everyone reads everyone'
 
 A rank waits for its peers' slots asleep on the bell: each write ends by adding one to it and
 waking every sleeper in a single atomic futex call (FUTEX_WAKE_OP), so a sleeper that read the
-bell before looking cannot miss a write made after its look. Collectives cannot lap their ring
-(every rank waits for every other at each one: no rank is more than one call ahead); an isend
-may run ahead of its peer's irecv by more than a ring, and a reader then finds a newer stamp:
-:data:`LAPPED`, that call goes unjudged.
+bell before looking cannot miss a write made after its look. Collectives cannot lap their ring:
+a rank publishes call k only once it has judged call k - 1 - AHEAD (deferred.py: async calls run
+ahead of their check by at most AHEAD), so every peer has published k - 1 - AHEAD, and judged, so
+read, every call up to k - 2 - 2 * AHEAD, and slot k % RING held one of those (RING >= 2 * AHEAD
++ 2). An isend may run ahead of its peer's irecv by more than a ring, and a reader then finds a
+newer stamp: :data:`LAPPED`, that call goes unjudged.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import zlib
 from typing import Any, Union
 
 MAGIC = b"mpifychk"
-RING = 4
+RING = 8  # a collective ring's slots (see the docstring: at least 2 * deferred.AHEAD + 2)
 _HEADER = 64
 _TOKEN = 16  # offset of the 16-byte token
 _BELL = 48  # offset of the futex word and the sleepers' count beside it (4-byte aligned)
