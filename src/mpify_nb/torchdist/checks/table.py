@@ -44,6 +44,7 @@ _HEADER = 64
 _TOKEN = 16  # offset of the 16-byte token
 _BELL = 48  # offset of the futex word and the sleepers' count beside it (4-byte aligned)
 _SLOT_HEAD = 16
+_SLOT, _STAMP, _SIZE_CRC = struct.Struct("<QII"), struct.Struct("<Q"), struct.Struct("<II")  # a slot's head
 
 #: A slot that holds a newer call than the one asked for: it was overwritten (its reader lagged).
 LAPPED = object()
@@ -74,6 +75,7 @@ class ShmTable:
         self.ring_p = p2p_ring(size)
         self.base_c = _HEADER + (size + 63) // 64 * 64
         self.base_p = self.base_c + size * RING * self.slot_c
+        self.rings_c = [self.base_c + rank * RING * self.slot_c for rank in range(size)]  # each rank's ring
         self.bell = _Bell(mm, _BELL)
 
     @staticmethod
@@ -123,7 +125,7 @@ class ShmTable:
 
     def _offset(self, ring: Ring, index: int, salt: int) -> int:
         if ring[0] == "c":
-            return self.base_c + (ring[1] * RING + index % RING) * self.slot_c
+            return self.rings_c[ring[1]] + index % RING * self.slot_c
         _, writer, peer, direction = ring
         n = self.size
         slot = (index + (salt & 0xFFFF) * 7919) % self.ring_p  # each tag counts its own calls
@@ -137,10 +139,10 @@ class ShmTable:
         """Publish call ``index`` of ``ring`` (this rank's own; ``salt``: a p2p call's tag) and ring the bell."""
         at = self._offset(ring, index, salt)
         mm = self.mm
-        struct.pack_into("<Q", mm, at, 0)
+        _STAMP.pack_into(mm, at, 0)
         mm[at + _SLOT_HEAD:at + _SLOT_HEAD + len(data)] = data
-        struct.pack_into("<II", mm, at + 8, len(data), zlib.crc32(data))
-        struct.pack_into("<Q", mm, at, index + 1)
+        _SIZE_CRC.pack_into(mm, at + 8, len(data), zlib.crc32(data))
+        _STAMP.pack_into(mm, at, index + 1)
         self.bell.ring()  # an atomic add: also orders the writes above before any later read
 
     def get(self, ring: Ring, index: int, salt: int = 0) -> Union[bytes, None, object]:
@@ -148,11 +150,11 @@ class ShmTable:
         slot may hold another tag's call of the same index: the reader compares tags)."""
         at = self._offset(ring, index, salt)
         mm = self.mm
-        stamp, length, crc = struct.unpack_from("<QII", mm, at)
+        stamp, length, crc = _SLOT.unpack_from(mm, at)
         if stamp != index + 1:
             return LAPPED if stamp > index + 1 else None
         data = mm[at + _SLOT_HEAD:at + _SLOT_HEAD + length]
-        if zlib.crc32(data) != crc or struct.unpack_from("<Q", mm, at)[0] != stamp:
+        if zlib.crc32(data) != crc or _STAMP.unpack_from(mm, at)[0] != stamp:
             return None  # being written now: read again after the bell
         return data
 
@@ -253,14 +255,18 @@ class _Bell:
         self.first = True  # this wait has not slept yet
 
     def value(self) -> int:
-        return struct.unpack_from("<i", self.mm, self.offset)[0]
+        words = self._words
+        return words[0] if words is not None else struct.unpack_from("<i", self.mm, self.offset)[0]
 
     def ring(self) -> None:
-        mm, offset = self.mm, self.offset
-        if _futex is not None and struct.unpack_from("<i", mm, offset + 4)[0] > 0:
+        words = self._words
+        if words is None:  # no futex here (or the table closed: the mapping says so)
+            mm, offset = self.mm, self.offset
+            struct.pack_into("<i", mm, offset, (struct.unpack_from("<i", mm, offset)[0] + 1) & 0x7FFFFFFF)
+        elif words[1] > 0:
             _futex(self.address, _FUTEX_WAKE_OP, _ALL, None, self.address, _ADD_ONE)
         else:  # no one sleeps: a plain add (two writers at once may make it one: it still moved)
-            struct.pack_into("<i", mm, offset, (struct.unpack_from("<i", mm, offset)[0] + 1) & 0x7FFFFFFF)
+            words[0] = (words[0] + 1) & 0x7FFFFFFF
 
     def wait(self, token: int, timeout: float, first: bool) -> None:
         """Sleep until the bell rings after ``token`` was read, or ``timeout`` (FIRST_SLEEP on a
