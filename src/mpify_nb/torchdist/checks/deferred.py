@@ -6,9 +6,9 @@ send(x, 1); w.wait()``; rank 1: ``recv(x, 0); all_reduce(t, async_op=True)``). S
 calls are not all published yet, the check goes on in the group's *lane*::
 
     user thread: w = dist.all_reduce(t, async_op=True)
-      Group.collective_async: publish, one look ── all there ──> judged, issued here: torch's Work
-                                                └─ not yet ───> Lane.add ──> a DeferredWork, at once
-    the lane's thread (one per group, while it holds calls; asleep on the table's bell):
+      Group.collective_async: publish, looks for SPIN ── all there ──> judged, issued here: torch's Work
+                                                      └─ not yet ───> Lane.add ──> a DeferredWork, at once
+    the lane's thread (one per group, while it holds calls and IDLE seconds after; asleep on the bell):
       its head: the peers' calls ── alike ──> torch's own call issues it to gloo (async), on this thread
                                  └─ apart ──> the Work fails with the CollectiveError (w.wait() raises)
       then the next: collectives reach gloo in the order the rank made them
@@ -37,6 +37,7 @@ from torch._C._distributed_c10d import Work
 
 from ..recorder import Op
 from . import calls
+from .mismatch import HOLD_INTERRUPTS
 
 #: Calls a rank publishes beyond the last one it judged (table.RING must be at least 2 * AHEAD + 2).
 AHEAD = 3
@@ -233,7 +234,6 @@ def _await_settled(lane: Lane, item: Deferred) -> None:
     """Block until ``item`` is issued or failed. The watch reads ``checking`` here (groups.waiting_in):
     this rank waits in the lane's head. The stop button on a persistent rank is held in the group
     until then (a peer may be entering gloo on this rank's word), as a wait in the check holds it."""
-    from .groups import HOLD_INTERRUPTS
 
     def checking() -> tuple[Op, Optional[tuple[str, int]]]:
         return lane.gating(item)

@@ -9,7 +9,7 @@
                            "waiting in all_reduce #n")
         alike: gloo runs it.  apart: every rank raises the same CollectiveError, none entered
         gloo, and the next call on the group is numbered as if this one never was
-    async_op=True: one look; peers not all there: the call goes to the group's lane and a Work
+    async_op=True: looks for SPIN (50 us); peers not all there: the call goes to the group's lane and a Work
         comes back at once (deferred.py: the lane finishes the check, issues it, in order)
     point to point: put ("p", i, peer, dir)[k]; the peer's half of the same pairing, if it is
         there already, is compared; a rank never waits for it (the peer may receive from any
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 from ..recorder import Op
 from . import calls
-from .mismatch import CheckAborted, Mismatch, error_for
+from .mismatch import HOLD_INTERRUPTS, CheckAborted, Mismatch, error_for
 from .store import StoreTable
 from .table import LAPPED, Ring, ShmTable, host_identity
 
@@ -53,10 +53,6 @@ _SETUP_KEYS = "mpify_nb.check/setup/"
 #: recorder's ops of the live groups, and whether a file is the user's.
 RECORDED: list[Callable[[], list]] = []
 USER_FILE: list[Callable[[str], bool]] = []
-#: A rank that outlives its call (a Session's): the stop button while it waits in its check is
-#: held until the check is over (a peer may be entering gloo on its word; one that never comes is
-#: unstuck by the group's abort, as a wait in gloo is). A ranch call's ranks end with the call.
-HOLD_INTERRUPTS = [False]
 
 
 class Group:

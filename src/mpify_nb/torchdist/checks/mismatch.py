@@ -12,6 +12,11 @@ from typing import Callable, Optional
 
 from ..recorder import Op
 
+#: A rank that outlives its call (a Session's): the stop button while it waits in its check is
+#: held until the check is over (a peer may be entering gloo on its word; one that never comes is
+#: unstuck by the group's abort, as a wait in gloo is). A ranch call's ranks end with the call.
+HOLD_INTERRUPTS = [False]  # (groups.py and deferred.py read it)
+
 
 class CheckAborted(RuntimeError):
     """The group was aborted under a rank waiting in its check (a Session unsticking it)."""
