@@ -279,7 +279,7 @@ def test_a_mismatch_waits_while_a_rank_is_stopped_and_is_reported_once_it_goes_o
     assert checked.ename == "CollectiveError", checked
     assert re.search(r"the ranks called collectives that cannot match \(a different op\): rank 0 at Cell "
                      rf"In\[{checked.number}\], line 7: all_reduce #(\d+) of float32\[1\]; rank 1 at line 3: broadcast "
-                     r"#\1 of float32\[1\] from rank 0; no rank entered it", 
+                     r"#\1 of float32\[1\] from rank 0; no rank entered it",
                      checked.traceback), checked.traceback
     nb.ok("%%local\nfrom mpify_nb import set_collective_checks\nset_collective_checks(False)")
     try:
