@@ -13,7 +13,11 @@ comes and goes on the machine falls on both alike; each ratio is the median of t
 3. a persistent trivial cell (``Session.run("1")``), the check on and off (target: within
    noise, <= 1.10x), and for information a cell with one all_reduce;
 4. for information, the check's own work per call on a rank (no gloo, no waiting): what it
-   costs the CPU whatever the scheduler does.
+   costs the CPU whatever the scheduler does; and a loop of ``all_reduce(async_op=True).wait()``
+   (the first rank to come hands its call to the group's lane, which issues it).
+
+Each loop also says the median of single calls, on and off: under load a descheduled rank makes
+a block's mean jump, and a single call's median shows what a typical call pays.
 
 Run: ``.venv/bin/python benchmarks/bench_collective_checks.py [--quick] [--json PATH]``.
 """
@@ -25,7 +29,7 @@ import time
 
 from _common import Result, finish, machine_line, median, parse_args
 
-SIZES = (("4 B", 1), ("1 MB", 2**18), ("64 MB", 2**24))
+SIZES = (("4 B", 1), ("1 MB", 2**18), ("64 MB", 2**24), ("async 4 B", 1))
 
 
 def _loops(plan: list, pairs: int):
@@ -37,24 +41,31 @@ def _loops(plan: list, pairs: int):
 
     from mpify_nb.torchdist.checks import wrappers
 
-    def blocks(step, steps: int) -> tuple[list, list]:
-        on, off = [], []
+    def blocks(step, steps: int) -> tuple[list, list, list, list]:
+        on, off, on_calls, off_calls = [], [], [], []
         for i in range(pairs):
             for checked in ((True, False) if i % 2 == 0 else (False, True)):
                 wrappers.set_enabled(checked)  # every rank alike, at the same point
                 dist.barrier()
-                t0 = time.perf_counter()
+                calls = on_calls if checked else off_calls
+                t0 = started = time.perf_counter()
                 for _ in range(steps):
                     step()
-                (on if checked else off).append((time.perf_counter() - t0) / steps)
+                    t1 = time.perf_counter()
+                    calls.append(t1 - t0)
+                    t0 = t1
+                (on if checked else off).append((t0 - started) / steps)
         wrappers.set_enabled(True)
-        return on, off
+        return on, off, on_calls, off_calls
 
     out: dict = {}
     for label, elements, steps in plan:
         x = torch.ones(elements)
         dist.all_reduce(x)  # warm: gloo's buffers for this size
-        out[label] = blocks(lambda x=x: dist.all_reduce(x), steps)
+        if label.startswith("async"):
+            out[label] = blocks(lambda x=x: dist.all_reduce(x, async_op=True).wait(), steps)
+        else:
+            out[label] = blocks(lambda x=x: dist.all_reduce(x), steps)
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(
         torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256)))
@@ -89,20 +100,20 @@ def _own_work(reps: int) -> list[float]:
         group = groups.Group(pg, "0", None, (0, 1), 0, shared, frozenset({"cpu"}))
         groups._groups[pg] = group
         x = torch.ones(1)
-        peer = groups._joined(calls.encode(calls.describe("all_reduce", {"tensor": x}, group.group_rank)),
+        peer = calls.joined(calls.encode(calls.describe("all_reduce", {"tensor": x}, group.group_rank)),
                               calls.encode(("<peer>", 1)), 1 << 20)
         params = ["tensor", "op", "group", "async_op"]
         times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
+        for _ in range(reps):  # CPU time of this thread: what the check costs, whoever else runs
+            t0 = time.thread_time()
             for _ in range(2000):
                 shared.put(("c", 1), group.calls, peer)
-                wrappers._check("all_reduce", params, (x,), {}, True)
-            spent = time.perf_counter() - t0
-            t0 = time.perf_counter()
+                wrappers._check("all_reduce", params, (x,), {}, True, None)
+            spent = time.thread_time() - t0
+            t0 = time.thread_time()
             for _ in range(2000):
                 shared.put(("c", 1), group.calls, peer)  # the peer's publishing, not this rank's work
-            times.append((spent - (time.perf_counter() - t0)) / 2000)
+            times.append((spent - (time.thread_time() - t0)) / 2000)
         return times
     finally:
         groups._groups.pop(pg, None)
@@ -138,7 +149,7 @@ def _session(pairs: int) -> dict:
 def main() -> int:
     args = parse_args(__doc__.splitlines()[0])
     pairs = 12 if args.quick else 40
-    steps = {"4 B": 20, "1 MB": 4, "64 MB": 1}
+    steps = {"4 B": 20, "1 MB": 4, "64 MB": 1, "async 4 B": 20}
     print(machine_line(), flush=True)
     import mpify_nb
     from mpify_nb import in_torchddp, ranch
@@ -152,7 +163,7 @@ def main() -> int:
     def ratio(pair) -> tuple[float, float, float]:
         """Medians of each kind, and the median of each pair's ratio (a load that comes and goes
         falls on the two blocks of a pair alike)."""
-        on, off = pair
+        on, off = pair[:2]
         return median(on), median(off), median([a / b for a, b in zip(on, off)])
 
     results = []
@@ -162,7 +173,7 @@ def main() -> int:
         name = f"all_reduce of {label}, check on / off" if label != "DDP step" else "DDP training step, on / off"
         results.append(Result(f"35.{n}", name, r, "x", f"<= {targets[label]:g}x", r <= targets[label],
                               f"on {on * 1e6:.1f} us, off {off * 1e6:.1f} us per step (medians of {pairs} "
-                              f"blocks each; the ratio: the median of the {pairs} pairs')"))
+                              f"blocks each; the ratio: the median of the {pairs} pairs'); {_per_call(loops[label])}"))
     on, off, r = ratio(cells["trivial"])
     results.append(Result("35.5", "Session trivial cell, check on / off", r, "x", "<= 1.10x (noise)", r <= 1.10,
                           f"on {on * 1e3:.2f} ms, off {off * 1e3:.2f} ms"))
@@ -170,9 +181,20 @@ def main() -> int:
     results.append(Result("35.6", "Session cell with one all_reduce, on / off", r, "x",
                           detail=f"on {on * 1e3:.2f} ms, off {off * 1e3:.2f} ms"))
     results.append(Result("35.7", "the check's own work per call (a rank, no waiting)", median(own) * 1e6, "us",
-                          detail=f"per batch: {', '.join(f'{t * 1e6:.1f}' for t in own)} us; DDP's ratio above, "
-                                 "which the check does not touch, shows this machine's noise"))
+                          detail=f"CPU time per batch: {', '.join(f'{t * 1e6:.1f}' for t in own)} us; DDP's ratio "
+                                 "above, which the check does not touch, shows this machine's noise"))
+    on, off, r = ratio(loops["async 4 B"])
+    results.append(Result("35.8", "all_reduce(async_op=True).wait() of 4 B, on / off", r, "x",
+                          detail=f"on {on * 1e6:.1f} us, off {off * 1e6:.1f} us per step; "
+                                 f"{_per_call(loops['async 4 B'])}"
+                                 " (the first rank to come hands its call to the group's lane)"))
     return finish("the collective check's cost (issue 35)", results, args)
+
+
+def _per_call(blocks: tuple) -> str:
+    """The medians of single calls (a descheduled call weighs one sample, not a block's mean)."""
+    on, off = median(blocks[2]), median(blocks[3])
+    return f"per call: on {on * 1e6:.1f} us, off {off * 1e6:.1f} us ({on / off:.3f}x)"
 
 
 if __name__ == "__main__":

@@ -270,16 +270,21 @@ def test_a_mismatch_waits_while_a_rank_is_stopped_and_is_reported_once_it_goes_o
     """Rank 1 issued a broadcast that rank 0's all_reduce can never match, then stops at a
     breakpoint: no verdict while the user debugs it (it waits for the user, as at a prompt);
     the CollectiveError comes once it goes on, and the group works again. That is the collective
-    watch's verdict, with the collective check off: on (the default), the check ends the cell at
-    the broadcast itself, before rank 1 reaches its breakpoint."""
+    watch's verdict, with the collective check off. On (the default), the check finds it: rank 0's
+    all_reduce raises at once; rank 1's async broadcast returns at once, as torch's does, and its
+    error is raised from ``w.wait()``, after the breakpoint, with the check's own words."""
     code = ("t = torch.ones(1)\nif rank == 1:\n    w = dist.broadcast(t, 0, async_op=True)\n    held = 1\n"
             "    w.wait()\nelse:\n    dist.all_reduce(t)")
     nb.breakpoints(code, [4])
-    checked = nb.finish(nb.start(code))
+    threads = rank_threads(nb)
+    cell = nb.start(code)
+    assert nb.next_event("stopped")["body"]["threadId"] == threads[1]
+    assert nb.dap("continue", threadId=threads[1])["success"]
+    checked = nb.finish(cell)
     assert checked.ename == "CollectiveError", checked
     assert re.search(r"the ranks called collectives that cannot match \(a different op\): rank 0 at Cell "
                      rf"In\[{checked.number}\], line 7: all_reduce #(\d+) of float32\[1\]; rank 1 at line 3: broadcast "
-                     r"#\1 of float32\[1\] from rank 0; no rank entered it", 
+                     r"#\1 of float32\[1\] from rank 0; no rank entered it",
                      checked.traceback), checked.traceback
     nb.ok("%%local\nfrom mpify_nb import set_collective_checks\nset_collective_checks(False)")
     try:

@@ -53,8 +53,8 @@ def judge(snaps: dict[int, Snapshot], world: int, absent: dict[int, str],
     ``absent``: {rank: why it will issue nothing more ("returned from fn", "idle", ...)}.
     ``previous``: the looks before, for the deadlock rule (blocked the same in both)."""
     running = {r: s for r, s in snaps.items() if r not in absent}
-    return (_mismatch(snaps, running) or _absent(snaps, running, world, absent)
-            or _deadlock(snaps, running, world, absent, previous or {}))
+    return (_mismatch(snaps, running) or _bypassed(snaps, running, world)
+            or _absent(snaps, running, world, absent) or _deadlock(snaps, running, world, absent, previous or {}))
 
 
 def judge_returned(snaps: dict[int, Snapshot]) -> Optional[Verdict]:
@@ -93,10 +93,12 @@ def _got_the_wrong_value(r: int, a: Op, q: int, b: Op) -> int:
 def _mismatch(snaps: dict[int, Snapshot], running: dict[int, Snapshot]) -> Optional[Verdict]:
     for r in sorted(running):
         for op in running[r].pending:
-            if op.seq is None or op.group is None:
-                continue
+            if op.seq is None or op.group is None or op.called:
+                continue  # a call in its check: its peers' that entered gloo passed theirs (or _bypassed's)
             for q in sorted(snaps):
                 other = snaps[q].op_at(op.group, op.seq) if q != r else None
+                if other is not None and other.called:
+                    continue  # it is compared with this one by the check, not by names gloo records
                 why = why_apart(op, other) if other is not None else None
                 if other is None or why is None:
                     continue
@@ -108,6 +110,54 @@ def _mismatch(snaps: dict[int, Snapshot], running: dict[int, Snapshot]) -> Optio
                 what = f"the ranks wait in collectives that cannot match ({why}): " + ops_text(group)
                 return Verdict("mismatch", sorted({r, q}), what=what)
     return None
+
+
+def _bypassed(snaps: dict[int, Snapshot], running: dict[int, Snapshot], world: int) -> Optional[Verdict]:
+    """A rank waits in its collective check for a peer's call that will never be published: the
+    peer entered that collective number in gloo without a torch.distributed call (DDP's bucket
+    all_reduce in backward(), a functional collective, FSDP2's, a ProcessGroup method), so it
+    waits there for this rank, which waits for it. Exact in one look: the peer's snapshot reads
+    its recorder before its published count, and a call it checked is published before it enters."""
+    for r in sorted(running):
+        s = running[r]
+        for group, published, judged, entered in s.checks:
+            if published <= judged:
+                continue  # not waiting in its check on this group
+            mine = s.op_at(group, entered + 1)
+            if mine is None or not mine.called:
+                continue
+            for q in sorted(running):
+                theirs = dict((g, rest) for g, *rest in running[q].checks).get(group) if q != r else None
+                if theirs is None or q not in mine.members(world):
+                    continue
+                q_published, _q_judged, q_entered = theirs
+                if q_published > judged or q_entered <= entered:
+                    continue  # it published the call r waits for, or has not entered that number
+                other = running[q].op_at(group, entered + 1)
+                if other is not None and (other.done or other.called):
+                    continue
+                return Verdict("mismatch", [r, q], what=_bypassed_text(r, s, mine, q, running[q], other))
+    return None
+
+
+def _bypassed_text(r: int, s: Snapshot, mine: Op, q: int, t: Snapshot, other: Optional[Op]) -> str:
+    """"the ranks wait for each other (rank 1 entered collective #4 without a torch.distributed call
+    ...): rank 0 at Cell In[5], line 2: all_reduce #4 of float32[5] (in the check); rank 1 at line 4:
+    all_reduce #4 of float32[1024] (in gloo)"."""
+    if other is not None:
+        theirs = op_text(other)
+    else:  # gloo before torch 2.8 records no collectives: which one it is, torch does not say
+        theirs = f"{t.label or 'a collective'} #{mine.seq} (which collective, gloo records from torch 2.8)"
+    return (f"the ranks wait for each other (rank {q} entered collective #{mine.seq} without a torch.distributed "
+            "call, which the collective check cannot see: DDP's backward, a functional collective, FSDP2 or a "
+            f"ProcessGroup method): {ops_text([(r, s, mine)])} (in the check); {_at(q, t, s)}{theirs} (in gloo)")
+
+
+def _at(q: int, t: Snapshot, s: Snapshot) -> str:
+    if t.where is None:
+        return f"rank {q}: "
+    same = s.where is not None and s.where[0] == t.where[0]
+    return f"rank {q} at line {t.where[1]}: " if same else f"rank {q} at {_location(t.where)}: "
 
 
 def _everyone_at(snaps: dict[int, Snapshot], op: Op) -> list[tuple[int, Snapshot, Op]]:

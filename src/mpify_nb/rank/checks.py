@@ -24,37 +24,37 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from ..torchdist.checks import groups, wrappers
+from ..torchdist.checks import groups, mismatch, wrappers
 from ..wire.errors import CollectiveError
 
 #: What a rank's CollectiveError says became of the ranks (the caller's own words replace it).
 NONE_ENTERED = "none of them entered it"
 
 
-def _error(mismatch: groups.Mismatch) -> BaseException:
-    ranks = sorted({rank for rank, _op, _line in mismatch.calls})
-    error = CollectiveError(ranks, [], what=mismatch.text(), kind="mismatch", rebuilt=False, after=NONE_ENTERED)
-    error.mismatch = mismatch
+def _error(found: mismatch.Mismatch) -> BaseException:
+    ranks = sorted({rank for rank, _op, _line in found.calls})
+    error = CollectiveError(ranks, [], what=found.text(), kind="mismatch", rebuilt=False, after=NONE_ENTERED)
+    error.mismatch = found
     return error
 
 
 def install() -> None:
     """Wrap torch.distributed's calls in this process (torch.distributed imported already)."""
-    groups.raise_as[:] = [_error]
+    mismatch.raise_as[:] = [_error]
     wrappers.install()
 
 
 def starting() -> None:
     """A rank's environment is the caller's now: checks on or off as it says; off, torch's own
     calls are put back (nothing of the user's has bound a name yet)."""
-    groups.raise_as[:] = [_error]
+    mismatch.raise_as[:] = [_error]
     switch(wrappers.from_environment())
 
 
 def switch(on: bool) -> None:
     """The caller turned the checks on or off (between a Session's cells, on every rank): off,
     torch's own calls are put back (a name the user's code bound meanwhile passes straight on)."""
-    groups.raise_as[:] = [_error]
+    mismatch.raise_as[:] = [_error]
     wrappers.set_enabled(on)
     if not on:
         wrappers.uninstall()
@@ -116,7 +116,7 @@ def in_the_notebook() -> Iterator[None]:
     if not wrappers.enabled() or "torch.distributed" not in sys.modules:
         yield
         return
-    groups.raise_as[:] = [_error]
+    mismatch.raise_as[:] = [_error]
     installed_here = not wrappers.installed()
     wrappers.install()
     swapped = _swap(sys.modules["__main__"].__dict__, wrappers.replacements())

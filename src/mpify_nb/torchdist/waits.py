@@ -60,6 +60,9 @@ class Snapshot:
     doing: str = "running"  # "waiting" (in torch.distributed), "running", "in sleep()", "idle"
     stack: tuple[tuple[str, int, str], ...] = ()  # (file, line, function), outermost first (asked for)
     taken_ns: int = field(default_factory=time.time_ns)
+    #: Per group with a collective check: (its name, calls published, calls judged, the number of the
+    #: last collective it entered in gloo), read after its recorder (engine/verdict.py's "bypassed").
+    checks: tuple[tuple[str, int, int, int], ...] = ()
 
     @property
     def pending(self) -> list[Op]:
@@ -192,11 +195,13 @@ def snapshot(rank: int, thread_id: int, native_id: Optional[int] = None, stack: 
     """Look at this process: its recorder, and the thread ``thread_id`` (its main thread, or
     the thread that runs a caller's own rank). ``stack``: its Python stack too."""
     ops = recorded_ops()
+    checks = _check_counts(ops)  # after the recorder: a call it shows was published before (verdict.py)
     frame = sys._current_frames().get(thread_id)
     blocked, label, any_peer = blocked_call(frame)
     checking = checked_groups.waiting_in(frame)
+    called_at = None
     if checking is not None:  # in the collective check, before the collective (torchdist/checks/)
-        blocked, frame = _checked(checking[0], ops), checking[1]
+        blocked, frame, called_at = _checked(checking[0], ops), checking[1], checking[2]
         label, any_peer = f"dist.{blocked.kind}", blocked.is_p2p and blocked.root is None
     elif blocked is not None and blocked.seq is None and not blocked.is_p2p:
         # A collective on the stack: the recorder's newest unfinished one on its group is it (by
@@ -212,7 +217,8 @@ def snapshot(rank: int, thread_id: int, native_id: Optional[int] = None, stack: 
         hidden = hidden_waits.look(thread_id)
         if hidden is not None:
             label, any_peer = hidden, True  # its collective, and so its peers, unknown
-    where = user_line(frame)
+    _add_pending(ops)
+    where = called_at or user_line(frame)
     if blocked is not None or label:
         doing = "waiting"
     elif where is None and frame is not None and _in_our_loop(frame):
@@ -220,7 +226,19 @@ def snapshot(rank: int, thread_id: int, native_id: Optional[int] = None, stack: 
     else:
         doing = _doing(frame, native_id)
     frames = _stack(frame) if stack else ()
-    return Snapshot(rank, tuple(ops), blocked, label, any_peer, where, doing, frames)
+    return Snapshot(rank, tuple(ops), blocked, label, any_peer, where, doing, frames, checks=checks)
+
+
+def _check_counts(ops: list[Op]) -> tuple[tuple[str, int, int, int], ...]:
+    """Each checked group's (name, published, judged, last collective entered in gloo): the last
+    entered from the recorder (``ops``), where gloo has none (torch < 2.8) from torch's own count."""
+    recorded = issued(ops) if compat.has_gloo_recorder() else None
+    out = []
+    for name, counted, published, judged in checked_groups.counts():
+        entered = counted if recorded is None else recorded.get(name, 0)
+        if entered is not None:
+            out.append((name, published, judged, entered))
+    return tuple(out)
 
 
 def _checked(op: Op, ops: list[Op]) -> Op:
@@ -230,10 +248,18 @@ def _checked(op: Op, ops: list[Op]) -> Op:
     if op.is_p2p:
         return op
     numbered = issued(ops).get(op.group) if op.group is not None else None
-    if numbered is not None:
-        op = replace(op, seq=numbered + 1)
+    op = replace(op, seq=numbered + 1, called=True) if numbered is not None else replace(op, called=True)
     ops.append(op)
     return op
+
+
+def _add_pending(ops: list[Op]) -> None:
+    """The async collectives this rank made that wait in their check (a group's lane), not yet in
+    gloo: among its ops, not done (the verdicts compare them with the peers')."""
+    held = {(o.group, o.seq) for o in ops if o.seq is not None}
+    for op, _index in checked_groups.pending_ops():
+        if (op.group, op.seq) not in held:
+            ops.append(replace(op, called=True))
 
 
 #: How many more times a returning rank reads its recorder for entries still being retired.

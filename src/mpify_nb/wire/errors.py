@@ -253,7 +253,7 @@ class CollectiveError(RankError):
                 else self.missing[0] if self.missing else self.waiting[0] if self.waiting else 0)
         super().__init__(root, msg)
         self.ranks = self.missing or self.waiting
-        self.mismatch: Any = None  # the check's: a torchdist.checks.groups.Mismatch
+        self.mismatch: Any = None  # the check's: a torchdist.checks.mismatch.Mismatch
 
     def __reduce__(self) -> Any:  # its __init__ takes the parts: a rank's travels as its state
         return copyreg.__newobj__, (type(self), *self.args), dict(self.__dict__)

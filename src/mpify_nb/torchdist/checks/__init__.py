@@ -11,6 +11,8 @@ peers' before it enters the collective; calls that cannot be one raise the same
     wrappers.py   torch.distributed's calls wrapped, once per process; the switch
     calls.py      a call described (plain values) and the rules that compare them
     groups.py     a group's check: publish, wait, compare; its table made with the group
+    deferred.py   async calls handed back at once: the group's lane finishes their check, in order
+    mismatch.py   what calls that cannot be one raise, alike on every rank
     table.py      shared memory for the ranks of one host: rings of slots, a futex bell
     store.py      the group's store, for ranks on different hosts (collectives only)
 

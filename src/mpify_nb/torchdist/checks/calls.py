@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import marshal
 import math
+import struct
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
@@ -169,6 +170,39 @@ def decode(data: bytes) -> Description:
 
 
 UNCHECKED = encode(("?", None, None, None, (), (), None))  # a rank that does not judge this one
+
+
+# -- what a rank publishes: a call's description and the user's line, in one slot ---------------
+
+def joined(description: bytes, line: bytes, room: int) -> bytes:
+    """A slot's bytes (``room`` at most: a call too big to publish whole goes unjudged)."""
+    data = struct.pack("<I", len(description)) + description + line
+    if len(data) <= room:
+        return data
+    data = struct.pack("<I", len(UNCHECKED)) + UNCHECKED + line  # too big to judge here
+    return data if len(data) <= room else struct.pack("<I", len(UNCHECKED)) + UNCHECKED
+
+
+def description_of(data: bytes) -> bytes:
+    (length,) = struct.unpack_from("<I", data)
+    return data[4:4 + length]
+
+
+def line_of(data: bytes) -> Optional[tuple[str, int]]:
+    """The user's (file, line) a slot names (None: none), from its bytes after the description."""
+    (length,) = struct.unpack_from("<I", data)
+    return where(data[4 + length:])
+
+
+def where(line: bytes) -> Optional[tuple[str, int]]:
+    """(file, line) of an encoded line (None: empty, or not one)."""
+    if not line:
+        return None
+    try:
+        filename, lineno = decode(line)
+        return str(filename), int(lineno)
+    except Exception:
+        return None
 
 
 # -- the rules ---------------------------------------------------------------------------------

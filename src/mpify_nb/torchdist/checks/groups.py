@@ -9,6 +9,8 @@
                            "waiting in all_reduce #n")
         alike: gloo runs it.  apart: every rank raises the same CollectiveError, none entered
         gloo, and the next call on the group is numbered as if this one never was
+    async_op=True: looks for SPIN (50 us); peers not all there: the call goes to the group's lane and a Work
+        comes back at once (deferred.py: the lane finishes the check, issues it, in order)
     point to point: put ("p", i, peer, dir)[k]; the peer's half of the same pairing, if it is
         there already, is compared; a rank never waits for it (the peer may receive from any
         rank, or post its irecv after an isend of its own): of two that disagree, the second
@@ -24,17 +26,19 @@ it, else the check goes through the group's store (collectives only).
 from __future__ import annotations
 
 import os
-import struct
 import sys
 import time
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 from ..recorder import Op
 from . import calls
+from .mismatch import HOLD_INTERRUPTS, CheckAborted, Mismatch, error_for
 from .store import StoreTable
 from .table import LAPPED, Ring, ShmTable, host_identity
+
+if TYPE_CHECKING:
+    from .deferred import Lane
 
 #: Seconds a waiting rank sleeps at most before it looks again (a stop, an abort, a lost bell).
 SLICE = 0.05
@@ -45,57 +49,10 @@ SPIN = 50e-6
 _SETUP_KEYS = "mpify_nb.check/setup/"
 
 
-class CheckAborted(RuntimeError):
-    """The group was aborted under a rank waiting in its check (a Session unsticking it)."""
-
-
-@dataclass
-class Mismatch:
-    """Ranks' calls that cannot be one: ``why``, and each rank's (global rank, call, line)."""
-
-    why: str
-    calls: list[tuple[int, Op, Optional[tuple[str, int]]]] = field(default_factory=list)
-    p2p: bool = False
-
-    def text(self, location: Callable[[tuple[str, int]], str] = lambda w: f'File "{w[0]}", line {w[1]}') -> str:
-        """"the ranks called collectives that cannot match (different dtypes): rank 0 at File "x",
-        line 3: all_reduce #1 of float32[4]; rank 1 at line 3: all_reduce #1 of float64[4]"."""
-        from ..recorder import op_text
-
-        parts = []
-        last = None
-        for rank, op, where in self.calls:
-            at = ""
-            if where is not None:
-                at = f" at line {where[1]}" if where[0] == last else f" at {location(where)}"
-                last = where[0]
-            parts.append(f"rank {rank}{at}: {op_text(op)}")
-        head = "a send and its recv cannot match" if self.p2p else "the ranks called collectives that cannot match"
-        return f"{head} ({self.why}): " + "; ".join(parts)
-
-
-class CollectivesApart(RuntimeError):
-    """What a rank raises where nothing better was installed (rank/checks.py installs CollectiveError)."""
-
-    def __init__(self, mismatch: Mismatch) -> None:
-        super().__init__(mismatch.text())
-        self.mismatch = mismatch
-
-
-#: Makes the exception a mismatch raises (rank/checks.py: the caller's CollectiveError).
-raise_as: list[Callable[[Mismatch], BaseException]] = []
 #: What torchdist/waits.py hands over as it is imported (it looks at us; we never import it): the
 #: recorder's ops of the live groups, and whether a file is the user's.
 RECORDED: list[Callable[[], list]] = []
 USER_FILE: list[Callable[[str], bool]] = []
-#: A rank that outlives its call (a Session's): the stop button while it waits in its check is
-#: held until the check is over (a peer may be entering gloo on its word; one that never comes is
-#: unstuck by the group's abort, as a wait in gloo is). A ranch call's ranks end with the call.
-HOLD_INTERRUPTS = [False]
-
-
-def error_for(mismatch: Mismatch) -> BaseException:
-    return raise_as[0](mismatch) if raise_as else CollectivesApart(mismatch)
 
 
 class Group:
@@ -121,7 +78,11 @@ class Group:
         self.p2p_calls: dict[tuple[int, int], int] = {}
         self.p2p_seen = 0  # point-to-point calls (they take a number of torch's sequence too)
         self.any_source = False  # it received from any rank: its recvs pair as only gloo knows
+        self.published = 0  # collectives this rank has published
+        self.judged = 0  # collectives whose peers' calls this rank has read and compared
+        self.lane: Optional[Lane] = None  # async calls handed back before their check was over
         self.aborted = False
+        self.closing = False
         self.held: Optional[BaseException] = None  # a KeyboardInterrupt held during a wait
         self.shared = isinstance(table, ShmTable)
         weakref.finalize(self, table.close)
@@ -136,43 +97,99 @@ class Group:
     # -- a collective ------------------------------------------------------------------------
 
     def collective(self, description: bytes, line: bytes, op: Callable[[], Op]) -> None:
-        """Publish this rank's call, wait for every peer's, raise if they cannot be one."""
+        """Publish this rank's call, wait for every peer's, raise if they cannot be one (after the
+        async calls still in the lane: collectives reach gloo in the order the rank made them)."""
+        if self.lane is not None and self.lane.items:
+            self.lane.drain()
         index = self.calls
         self.calls += 1
-        self.table.put(self.ring, index, _joined(description, line, self.room))
-        got = self._await(self.rings, index, op)
-        if all(_description(data) == description for data in got.values()):
-            self._raise_held()
-            return
+        self.publish(index, description, line)
+        got = self.wait_for_peers(index, op)
+        error = self.judge(index, description, line, got)
+        if error is not None:
+            raise error
+        self.raise_held()
+
+    def collective_async(self, description: bytes, line: bytes, issue: Callable[[], Any]) -> Optional[Any]:
+        """An ``async_op=True`` collective: None when every peer's call is there and alike (the
+        caller issues it now); else a Work handed back at once: its check goes on in the lane
+        (deferred.py), or it failed (a mismatch, raised from its ``wait()``)."""
+        from . import deferred
+
+        index = self.calls
+        self.calls += 1
+        if self.lane is not None and self.lane.items:
+            return self.lane.add(index, description, line, issue, published=False)
+        self.publish(index, description, line)
+        got: dict[Ring, Any] = {}
+        if not self._arrived(index, got):
+            if self.lane is None:
+                self.lane = deferred.Lane(self)
+            return self.lane.add(index, description, line, issue, published=True)
+        error = self.judge(index, description, line, got)
+        return None if error is None else deferred.failed(error)
+
+    def _arrived(self, index: int, got: dict) -> bool:
+        """Every peer's call ``index`` read into ``got`` within SPIN (yielding between looks): a
+        peer in step comes in microseconds, and a call judged here skips the lane's two thread
+        handoffs. Never sleeps: an async call returns at once."""
+        spin_until = time.perf_counter() + SPIN
+        while not self._gather(self.rings, index, got):
+            if time.perf_counter() >= spin_until:
+                return False
+            try:
+                os.sched_yield()
+            except KeyboardInterrupt as e:  # published: the lane must still issue or fail it
+                if not HOLD_INTERRUPTS[0]:
+                    raise
+                self.held = e
+                return False
+        return True
+
+    def publish(self, index: int, description: bytes, line: bytes) -> None:
+        self.table.put(self.ring, index, calls.joined(description, line, self.room))
+        self.published = index + 1
+
+    def judge(self, index: int, description: bytes, line: bytes, got: dict[Ring, bytes]) -> Optional[BaseException]:
+        """None when every peer's call ``index`` (``got``) is this one; else the error every rank raises."""
+        self.judged = index + 1
+        if all(calls.description_of(data) == description for data in got.values()):
+            return None
         mine = calls.decode(description)
         theirs = {ring[1]: data for ring, data in got.items()}
-        descriptions = [mine if i == self.me else calls.decode(_description(theirs[i])) for i in range(self.size)]
+        descriptions = [mine if i == self.me else calls.decode(calls.description_of(theirs[i]))
+                        for i in range(self.size)]
         why = calls.apart(descriptions, self.size)
         if why is None:
-            self._raise_held()
-            return
+            return None
         self.held = None  # the mismatch is the news: every rank raises it
-        lines = [_line(line) if i == self.me else _line(_rest(theirs[i])) for i in range(self.size)]
+        lines = [calls.where(line) if i == self.me else calls.line_of(theirs[i]) for i in range(self.size)]
         number = self.number()
-        raise error_for(Mismatch(why, [(self.members[i], self.op_of(descriptions[i], number), lines[i])
-                                       for i in range(self.size)]))
+        return error_for(Mismatch(why, [(self.members[i], self.op_of(descriptions[i], number), lines[i])
+                                        for i in range(self.size)]))
 
-    def _raise_held(self) -> None:
+    def raise_held(self) -> None:
         """The stop button pressed while this rank waited: now, instead of entering gloo (a peer
         that did waits there, and the Session's stop unsticks it)."""
         held, self.held = self.held, None
         if held is not None:
             raise held
 
-    def _await(self, rings: list[Ring], index: int, checking: Callable[[], Op]) -> dict[Ring, bytes]:
+    def wait_for_peers(self, index: int, checking: Callable[[], Any],
+                       stop: Optional[Callable[[], Optional[BaseException]]] = None) -> dict[Ring, bytes]:
+        return self._await(self.rings, index, checking, stop)
+
+    def _await(self, rings: list[Ring], index: int, checking: Callable[[], Any],
+               stop: Optional[Callable[[], Optional[BaseException]]] = None) -> dict[Ring, bytes]:
         """Every ring's call ``index``, waited for. ``checking`` says what this rank waits in, to a
-        look from the control thread (torchdist/waits.py reads this frame's locals)."""
+        look from the control thread (torchdist/waits.py reads this frame's locals); ``stop``: why
+        to give up (the lane's thread: its group destroyed), checked before each sleep."""
         got: dict[Ring, Any] = {}
         spin_until = time.perf_counter() + SPIN
         first = True
         while True:
             try:
-                if self._look(rings, index, got, spin_until, first, checking):
+                if self._look(rings, index, got, spin_until, first, checking, stop):
                     return got
             except KeyboardInterrupt as e:
                 if not HOLD_INTERRUPTS[0]:
@@ -181,24 +198,33 @@ class Group:
             first = False
 
     def _look(self, rings: list[Ring], index: int, got: dict, spin_until: float, first: bool,
-              checking: Callable[[], Op]) -> bool:
+              checking: Callable[[], Any], stop: Optional[Callable[[], Optional[BaseException]]] = None) -> bool:
         """One look at the peers' slots (and a yield, or a sleep on the bell): all there?"""
         table = self.table
         token = table.token()
+        if self._gather(rings, index, got):
+            return True
+        if self.aborted:
+            raise CheckAborted(f"the process group was aborted while this rank waited in {_kind(checking())}")
+        if time.perf_counter() < spin_until:
+            os.sched_yield()  # a peer in step is microseconds away; one on this core runs first
+            return False
+        if stop is not None:
+            reason = stop()
+            if reason is not None:
+                raise reason
+        table.sleep(token, [(ring, index) for ring in rings if ring not in got], SLICE, first)
+        return False
+
+    def _gather(self, rings: list[Ring], index: int, got: dict) -> bool:
+        """Read the peers' calls ``index`` published since the last look into ``got``: all there?"""
+        table = self.table
         for ring in rings:
             if ring not in got:
                 data = table.get(ring, index)
                 if data is not None:  # (a collective's slot is never lapped: were it, unjudged)
-                    got[ring] = data if data is not LAPPED else _joined(calls.UNCHECKED, b"", 1 << 20)
-        if len(got) == len(rings):
-            return True
-        if self.aborted:
-            raise CheckAborted(f"the process group was aborted while this rank waited in {checking().kind}")
-        if time.perf_counter() < spin_until:
-            os.sched_yield()  # a peer in step is microseconds away; one on this core runs first
-            return False
-        table.sleep(token, [(ring, index) for ring in rings if ring not in got], SLICE, first)
-        return False
+                    got[ring] = data if data is not LAPPED else calls.joined(calls.UNCHECKED, b"", 1 << 20)
+        return len(got) == len(rings)
 
     # -- point to point ----------------------------------------------------------------------
 
@@ -212,19 +238,20 @@ class Group:
         index = self.p2p_calls.get(key, 0)
         self.p2p_calls[key] = index + 1
         mine: Ring = ("p", self.me, peer, direction)
-        self.table.put(mine, index, _joined(description, line, self.table.room(mine)), tag)
+        self.table.put(mine, index, calls.joined(description, line, self.table.room(mine)), tag)
         # the put's atomic bell is a full barrier: of two ranks that publish, one sees the other
         data = self.table.get(("p", peer, self.me, 1 - direction), index, tag)
         if data is None or data is LAPPED:
             return  # the peer checks when it comes (or lagged a ring behind: unjudged)
         assert isinstance(data, bytes)
-        theirs = calls.decode(_description(data))
+        theirs = calls.decode(calls.description_of(data))
         ours = calls.decode(description)
         send, recv = (ours, theirs) if kind == "send" else (theirs, ours)
         why = calls.p2p_apart(send, recv)
         if why is None:
             return
-        pair = sorted([(self.me, ours, _line(line)), (peer, theirs, _line(_rest(data)))], key=lambda item: item[0])
+        pair = sorted([(self.me, ours, calls.where(line)), (peer, theirs, calls.line_of(data))],
+                      key=lambda item: item[0])
         found = [(self.members[i], self.op_of(d, None), where) for i, d, where in pair]
         raise error_for(Mismatch(why, found, p2p=True))
 
@@ -257,37 +284,29 @@ class Group:
         except Exception:
             return None
 
+    def pending(self) -> list[tuple[Op, int]]:
+        """(op, index) of the async calls still in the lane (not yet in gloo), in order."""
+        lane = self.lane
+        return lane.ops() if lane is not None and lane.items else []
+
     def abort(self) -> None:
         self.aborted = True
         self.table.wake()
 
-
-def _joined(description: bytes, line: bytes, room: int) -> bytes:
-    data = struct.pack("<I", len(description)) + description + line
-    if len(data) <= room:
-        return data
-    data = struct.pack("<I", len(calls.UNCHECKED)) + calls.UNCHECKED + line  # too big to judge here
-    return data if len(data) <= room else struct.pack("<I", len(calls.UNCHECKED)) + calls.UNCHECKED
-
-
-def _description(data: bytes) -> bytes:
-    (length,) = struct.unpack_from("<I", data)
-    return data[4:4 + length]
+    def close(self) -> None:
+        """The group is gone: the lane's calls fail, its thread ends, the table is unmapped."""
+        if self.closing:
+            return
+        self.closing = True
+        lane = self.lane
+        if lane is not None and lane.thread is not None:
+            self.table.wake()
+            lane.join(2 * SLICE + 1.0)
+        self.table.close()
 
 
-def _rest(data: bytes) -> bytes:
-    (length,) = struct.unpack_from("<I", data)
-    return data[4 + length:]
-
-
-def _line(data: bytes) -> Optional[tuple[str, int]]:
-    if not data:
-        return None
-    try:
-        filename, lineno = calls.decode(data)
-        return str(filename), int(lineno)
-    except Exception:
-        return None
+def _kind(checking: Any) -> str:
+    return (checking[0] if isinstance(checking, tuple) else checking).kind
 
 
 # -- making a group's table ---------------------------------------------------------------------
@@ -408,7 +427,31 @@ def sweep() -> None:
     for group in list(_made):  # one a traceback still holds (its pg gone) too
         pg = group.pg()
         if pg is None or pg not in alive:
-            group.table.close()
+            group.close()
+
+
+def pending_ops() -> list[tuple[Op, int]]:
+    """(op, index) of every async call of this process still in its group's lane."""
+    out: list[tuple[Op, int]] = []
+    for group in list(_made):
+        if group.lane is not None and group.lane.items:
+            out += group.pending()
+    return out
+
+
+def counts() -> list[tuple[str, Optional[int], int, int]]:
+    """(name, torch's count of its collectives less point-to-point calls (None: unknown), calls
+    published, calls judged) of each checked group alive; torch's count is read first."""
+    out = []
+    for pg, group in list(_groups.items()):
+        if group is None or group.closing:
+            continue
+        try:
+            counted: Optional[int] = pg._get_sequence_number_for_group() - group.p2p_seen
+        except Exception:
+            counted = None
+        out.append((group.name, counted, group.published, group.judged))
+    return out
 
 
 def abort_all() -> None:
@@ -419,9 +462,10 @@ def abort_all() -> None:
             group.abort()
 
 
-def waiting_in(frame: Any) -> Optional[tuple[Op, Any]]:
-    """(the call a thread at ``frame`` waits in its check for, the user's frame that made it), or
-    None: the check's own frames, innermost, hold ``checking``."""
+def waiting_in(frame: Any) -> Optional[tuple[Op, Any, Optional[tuple[str, int]]]]:
+    """(the call a thread at ``frame`` waits in its check for, the user's frame that made it, the
+    line of that call where it was made elsewhere: an async one waited for in its lane), or None:
+    the check's own frames, innermost, hold ``checking``."""
     here = os.path.dirname(os.path.abspath(__file__))
     found = None
     while frame is not None and frame.f_code.co_filename.startswith(here):
@@ -433,7 +477,10 @@ def waiting_in(frame: Any) -> Optional[tuple[Op, Any]]:
                 except Exception:
                     return None
         frame = frame.f_back
-    return (found, frame) if found is not None else None
+    if found is None:
+        return None
+    op, where = found if isinstance(found, tuple) else (found, None)
+    return op, frame, where
 
 
-_WAITING = {"_await", "_await_keys"}
+_WAITING = {"_await", "_await_keys", "_await_settled"}

@@ -2,8 +2,8 @@
 
 The same calls as table.py's shared memory, through the group's own ``PrefixStore`` (the
 rendezvous store torch keeps for it): each collective's description is one key, written by
-its rank and read by the others; each rank deletes its key of two collectives back, which
-every peer has read by then (it has published the one after). A round trip to the store per
+its rank and read by the others; each rank deletes its key of ``RING`` collectives back, which
+every peer has read by then (table.py says why). A round trip to the store per
 key makes this slower than a collective on one host, but not than one between hosts; calls
 that would cost more than they guard are left unchecked: point-to-point calls
 (groups.py publishes them only to shared memory).
@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
-from .table import Ring
+from .table import RING, Ring
 
 _NAMESPACE = "mpify_nb.check/"
 #: A waiting rank asks the store again after this, then twice as long each time, up to its slice
@@ -39,9 +39,9 @@ class StoreTable:
 
     def put(self, ring: Ring, index: int, data: bytes, salt: int = 0) -> None:
         self.store.set(self.key(ring, index), data)
-        if ring[0] == "c" and index >= 2:
+        if ring[0] == "c" and index >= RING:
             try:
-                self.store.delete_key(self.key(ring, index - 2))
+                self.store.delete_key(self.key(ring, index - RING))
             except Exception:
                 pass  # a store without deletes keeps it: a few bytes a collective
 

@@ -16,10 +16,12 @@ as their mappings. Each rank writes only its own rings; everyone reads everyone'
 
 A rank waits for its peers' slots asleep on the bell: each write ends by adding one to it and
 waking every sleeper in a single atomic futex call (FUTEX_WAKE_OP), so a sleeper that read the
-bell before looking cannot miss a write made after its look. Collectives cannot lap their ring
-(every rank waits for every other at each one: no rank is more than one call ahead); an isend
-may run ahead of its peer's irecv by more than a ring, and a reader then finds a newer stamp:
-:data:`LAPPED`, that call goes unjudged.
+bell before looking cannot miss a write made after its look. Collectives cannot lap their ring:
+a rank publishes call k only once it has judged call k - 1 - AHEAD (deferred.py: async calls run
+ahead of their check by at most AHEAD), so every peer has published k - 1 - AHEAD, and judged, so
+read, every call up to k - 2 - 2 * AHEAD, and slot k % RING held one of those (RING >= 2 * AHEAD
++ 2). An isend may run ahead of its peer's irecv by more than a ring, and a reader then finds a
+newer stamp: :data:`LAPPED`, that call goes unjudged.
 """
 
 from __future__ import annotations
@@ -37,11 +39,12 @@ import zlib
 from typing import Any, Union
 
 MAGIC = b"mpifychk"
-RING = 4
+RING = 8  # a collective ring's slots (see the docstring: at least 2 * deferred.AHEAD + 2)
 _HEADER = 64
 _TOKEN = 16  # offset of the 16-byte token
 _BELL = 48  # offset of the futex word and the sleepers' count beside it (4-byte aligned)
 _SLOT_HEAD = 16
+_SLOT, _STAMP, _SIZE_CRC = struct.Struct("<QII"), struct.Struct("<Q"), struct.Struct("<II")  # a slot's head
 
 #: A slot that holds a newer call than the one asked for: it was overwritten (its reader lagged).
 LAPPED = object()
@@ -72,6 +75,7 @@ class ShmTable:
         self.ring_p = p2p_ring(size)
         self.base_c = _HEADER + (size + 63) // 64 * 64
         self.base_p = self.base_c + size * RING * self.slot_c
+        self.rings_c = [self.base_c + rank * RING * self.slot_c for rank in range(size)]  # each rank's ring
         self.bell = _Bell(mm, _BELL)
 
     @staticmethod
@@ -121,7 +125,7 @@ class ShmTable:
 
     def _offset(self, ring: Ring, index: int, salt: int) -> int:
         if ring[0] == "c":
-            return self.base_c + (ring[1] * RING + index % RING) * self.slot_c
+            return self.rings_c[ring[1]] + index % RING * self.slot_c
         _, writer, peer, direction = ring
         n = self.size
         slot = (index + (salt & 0xFFFF) * 7919) % self.ring_p  # each tag counts its own calls
@@ -135,10 +139,10 @@ class ShmTable:
         """Publish call ``index`` of ``ring`` (this rank's own; ``salt``: a p2p call's tag) and ring the bell."""
         at = self._offset(ring, index, salt)
         mm = self.mm
-        struct.pack_into("<Q", mm, at, 0)
+        _STAMP.pack_into(mm, at, 0)
         mm[at + _SLOT_HEAD:at + _SLOT_HEAD + len(data)] = data
-        struct.pack_into("<II", mm, at + 8, len(data), zlib.crc32(data))
-        struct.pack_into("<Q", mm, at, index + 1)
+        _SIZE_CRC.pack_into(mm, at + 8, len(data), zlib.crc32(data))
+        _STAMP.pack_into(mm, at, index + 1)
         self.bell.ring()  # an atomic add: also orders the writes above before any later read
 
     def get(self, ring: Ring, index: int, salt: int = 0) -> Union[bytes, None, object]:
@@ -146,11 +150,11 @@ class ShmTable:
         slot may hold another tag's call of the same index: the reader compares tags)."""
         at = self._offset(ring, index, salt)
         mm = self.mm
-        stamp, length, crc = struct.unpack_from("<QII", mm, at)
+        stamp, length, crc = _SLOT.unpack_from(mm, at)
         if stamp != index + 1:
             return LAPPED if stamp > index + 1 else None
         data = mm[at + _SLOT_HEAD:at + _SLOT_HEAD + length]
-        if zlib.crc32(data) != crc or struct.unpack_from("<Q", mm, at)[0] != stamp:
+        if zlib.crc32(data) != crc or _STAMP.unpack_from(mm, at)[0] != stamp:
             return None  # being written now: read again after the bell
         return data
 
@@ -251,14 +255,18 @@ class _Bell:
         self.first = True  # this wait has not slept yet
 
     def value(self) -> int:
-        return struct.unpack_from("<i", self.mm, self.offset)[0]
+        words = self._words
+        return words[0] if words is not None else struct.unpack_from("<i", self.mm, self.offset)[0]
 
     def ring(self) -> None:
-        mm, offset = self.mm, self.offset
-        if _futex is not None and struct.unpack_from("<i", mm, offset + 4)[0] > 0:
+        words = self._words
+        if words is None:  # no futex here (or the table closed: the mapping says so)
+            mm, offset = self.mm, self.offset
+            struct.pack_into("<i", mm, offset, (struct.unpack_from("<i", mm, offset)[0] + 1) & 0x7FFFFFFF)
+        elif words[1] > 0:
             _futex(self.address, _FUTEX_WAKE_OP, _ALL, None, self.address, _ADD_ONE)
         else:  # no one sleeps: a plain add (two writers at once may make it one: it still moved)
-            struct.pack_into("<i", mm, offset, (struct.unpack_from("<i", mm, offset)[0] + 1) & 0x7FFFFFFF)
+            words[0] = (words[0] + 1) & 0x7FFFFFFF
 
     def wait(self, token: int, timeout: float, first: bool) -> None:
         """Sleep until the bell rings after ``token`` was read, or ``timeout`` (FIRST_SLEEP on a

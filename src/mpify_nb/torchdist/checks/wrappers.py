@@ -129,7 +129,9 @@ def _checker(name: str, original: Callable) -> Callable:
     def checked(*args: Any, **kwargs: Any) -> Any:
         if not _on[0] or getattr(_local, "inside", False):
             return original(*args, **kwargs)
-        _check(kind, params, args, kwargs, blocking)
+        handed = _check(kind, params, args, kwargs, blocking, original)
+        if handed is not None:
+            return handed  # an async call's Work, its check still going on (or failed)
         _local.inside = True
         try:
             return original(*args, **kwargs)
@@ -137,6 +139,18 @@ def _checker(name: str, original: Callable) -> Callable:
             _local.inside = False
 
     return checked
+
+
+def _issuing(original: Callable, args: tuple, kwargs: dict) -> Callable[[], Any]:
+    """The call, to be issued later by its group's lane (deferred.py), on the lane's thread."""
+    def issue() -> Any:
+        _local.inside = True  # torch's own helpers it runs are not checked again
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _local.inside = False
+
+    return issue
 
 
 def _maker(original: Callable) -> Callable:
@@ -202,19 +216,20 @@ def _world() -> Any:
     return c10d.GroupMember.WORLD if c10d is not None else None
 
 
-def _check(kind: str, params: list, args: tuple, kwargs: dict, blocking: bool) -> None:
+def _check(kind: str, params: list, args: tuple, kwargs: dict, blocking: bool, original: Callable) -> Any:
+    """Check the call; None when the caller is to issue it now, else the Work to hand back."""
     bound = dict(zip(params, args))
     if kwargs:
         bound.update(kwargs)
     group = _group_of(bound.get("group"), kind)
     if group is None or group.aborted or not (group.pure or _on_gloo(group, bound)):
-        return
+        return None
     try:
         description = calls.encode(calls.describe(kind, bound, group.group_rank, blocking))
     except calls.Unchecked:
         if kind in calls.P2P:
             group.p2p_unpaired(kind)
-            return
+            return None
         description = calls.UNCHECKED
     line = _user_line(sys._getframe(2))
 
@@ -224,8 +239,17 @@ def _check(kind: str, params: list, args: tuple, kwargs: dict, blocking: bool) -
     if kind in calls.P2P:
         d = calls.decode(description)
         group.p2p(kind, d[2], d[3], description, line, checking)
-    else:
-        group.collective(description, line, checking)
+        return None
+    if bound.get("async_op") and deferrable(group.pg()):
+        return group.collective_async(description, line, _issuing(original, args, kwargs))
+    group.collective(description, line, checking)
+    return None
+
+
+def deferrable(pg: Any) -> bool:
+    from .deferred import deferrable as may_defer
+
+    return may_defer(pg)
 
 
 def _on_gloo(group: groups.Group, bound: dict) -> bool:
