@@ -49,7 +49,18 @@ IDLE = 0.5
 
 
 class LaneClosed(RuntimeError):
-    """The group's check ended (the group destroyed, its tables closed) with calls in its lane."""
+    """An async collective the check still held when its group ended: its peers never made the
+    same call, so it never reached gloo. Raised by its ``Work.wait()``.
+
+    Example (a ``%%distributed`` cell; rank 1 issues nothing before the group is destroyed):
+
+    ```python
+    w = dist.all_reduce(t, async_op=True) if rank == 0 else None
+    dist.destroy_process_group()
+    w.wait() if w else None   # rank 0: LaneClosed: the process group 0 was destroyed before this
+                              # all_reduce's check was over: its peers never made the call
+    ```
+    """
 
 
 def deferrable(pg: Any) -> bool:
