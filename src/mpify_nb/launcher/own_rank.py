@@ -263,6 +263,8 @@ class CallerState:
                 if not self.dist_was_up and dist.is_available():
                     if dist.is_initialized():
                         compat.destroy_process_group()  # the function left its group up
+                    groups.forget_ended_groups()  # those torch keeps alive: their sockets close
+                    groups.release_ended_groups()  # ours, held against a deadlock in torch (groups.py)
                     if self.group_count is not None:
                         groups.set_group_count(self.group_count)  # e.g. after a failed rendezvous
             except Exception:

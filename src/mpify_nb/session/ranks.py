@@ -90,7 +90,7 @@ class SessionRanks:
         # rank (session/calls.py)
         self._comms = comms.CommBridge(lambda rank, frame: self._comm_to_rank(rank, frame))
         self._placer: Optional[placement.Placer] = None
-        self._layout = placement.Layout.on_this_machine(n)
+        self._layout = placement.Layout.on_this_machine(n, reserve_store=False)
         self._base_env: dict[str, str] = {}
 
     # -- starting ranks ----------------------------------------------------------------
