@@ -229,7 +229,9 @@ class CallerState:
                 self.dist_was_up = torch.distributed.is_available() and torch.distributed.is_initialized()
             except Exception:
                 pass
-        self.group_count = groups.group_count() if torch is not None else None
+        # torch not imported yet: the function may import it and fail in a rendezvous; the count
+        # it leaves must still go back (a fresh process's is 0), or the next group's keys differ.
+        self.group_count = groups.group_count() if torch is not None else 0
         self.libraries = libraries.LibraryState.snapshot()
         return self
 
@@ -260,15 +262,18 @@ class CallerState:
         if torch is not None:
             try:
                 dist = torch.distributed
-                if not self.dist_was_up and dist.is_available():
-                    if dist.is_initialized():
-                        compat.destroy_process_group()  # the function left its group up
-                    groups.forget_ended_groups()  # those torch keeps alive: their sockets close
-                    groups.release_ended_groups()  # ours, held against a deadlock in torch (groups.py)
-                    if self.group_count is not None:
-                        groups.set_group_count(self.group_count)  # e.g. after a failed rendezvous
+                if not self.dist_was_up and dist.is_available() and dist.is_initialized():
+                    compat.destroy_process_group()  # the function left its group up
             except Exception:
-                pass
+                pass  # a group whose peers are gone may fail to say goodbye
+            if not self.dist_was_up:
+                # Even when the destroy failed (a peer gone): torch names the next group's keys by it.
+                groups.set_group_count(self.group_count)
+            try:
+                groups.forget_ended_groups()  # those torch keeps alive: their sockets close
+                groups.release_ended_groups()  # ours, held against a deadlock in torch (groups.py)
+            except Exception:
+                pass  # only sockets are left open
             if self.cuda_device is not None:
                 try:
                     torch.cuda.set_device(self.cuda_device)
