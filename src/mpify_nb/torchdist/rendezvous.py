@@ -101,6 +101,27 @@ def activate(scope: Optional[Callable[[], str]] = None, host: bool = False,
         _host_socket = host_socket
 
 
+def point_at(value: str, host: bool, host_socket: Optional[socket.socket] = None, store: Any = None) -> None:
+    """(A Session's rank) the rendezvous of the cells from now on go to ``value``'s store: the
+    Session's, hosted by its lowest rank (``host``), opened with the Session's group (``store``,
+    its server) or, without one, at the first rendezvous on ``host_socket``."""
+    global _is_host, _host_socket, _hosted
+    os.environ[VARIABLE] = value
+    _is_host = host
+    _host_socket = host_socket
+    _hosted = store if host else None
+    _open.clear()
+
+
+def store_endpoint() -> Optional[tuple[str, int]]:
+    """(address, port) of the store this process's rendezvous go to now; None without one."""
+    value = os.environ.get(VARIABLE)
+    if not value or _active_pid != os.getpid():
+        return None
+    address, port, _world, _token = value.rsplit("|", 3)
+    return (address, int(port)) if int(port) else None
+
+
 def deactivate() -> None:
     """The call this process played a rank of is over (the notebook, after its own rank ran)."""
     global _active_pid
@@ -110,8 +131,9 @@ def deactivate() -> None:
 
 
 def hosting() -> bool:
-    """Does this process serve a call's store (its ranks may still need it)?"""
-    return _hosted is not None
+    """Does this process serve a call's store, or hold its port for it (its ranks may still need
+    it; a port let go of could be taken by anyone)?"""
+    return _hosted is not None or _host_socket is not None
 
 
 def install() -> None:

@@ -402,6 +402,7 @@ class RemoteFailure:
 
     @classmethod
     def capture(cls, exc: BaseException, dumps) -> RemoteFailure:
+        _with_hint(exc)
         te = traceback.TracebackException.from_exception(exc, capture_locals=False)
         frames = [(f.filename, f.lineno or 0, f.name, f.line or None) for f in te.stack]
         chain = ""
@@ -416,7 +417,7 @@ class RemoteFailure:
             blob = dumps(exc)
         except Exception:
             blob = None
-        return cls(_qualified_name(type(exc)), safe_str(exc), frames, chain, blob)
+        return cls(_qualified_name(type(exc)), _with_notes(exc), frames, chain, blob)
 
     def format(self) -> str:
         """Format like Python does, with source lines taken from this process's linecache
@@ -443,6 +444,43 @@ class RemoteFailure:
             if isinstance(original, BaseException):
                 err.__cause__ = original
         return err
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)`` (Python 3.11), on any Python: shown after the exception's message,
+    here as by Python itself."""
+    notes = getattr(exc, "__notes__", None)
+    if not isinstance(notes, list):
+        notes = []
+        try:
+            exc.__notes__ = notes  # type: ignore[attr-defined]
+        except Exception:
+            return
+    if note not in notes:
+        notes.append(note)
+
+
+#: (words of an error, what to do): added to the error a rank reports (RemoteFailure.capture).
+_HINTS = (
+    ("trying to initialize the default process group twice",
+     "This rank has its default process group already: ctx=in_torchddp() (or %%ranch --ddp) made it, or an "
+     "earlier init_process_group. A function that makes its own group needs no ctx=in_torchddp() (nor --ddp): "
+     "drop it; or call dist.destroy_process_group() before making another."),
+)
+
+
+def _with_hint(exc: BaseException) -> None:
+    text = safe_str(exc)
+    for words, hint in _HINTS:
+        if words in text:
+            add_note(exc, hint)
+
+
+def _with_notes(exc: BaseException) -> str:
+    """The message of ``exc`` followed by its notes, one a line, as Python shows them."""
+    notes = getattr(exc, "__notes__", None)
+    extra = "".join(f"\n{n}" for n in notes if isinstance(n, str)) if isinstance(notes, list) else ""
+    return safe_str(exc) + extra
 
 
 def safe_str(exc: BaseException) -> str:
