@@ -219,3 +219,42 @@ def test_nbdistributed_style_notebook_runs_to_the_end():
     assert "2 ranks stopped" in nbutil.all_text(done[15])
     assert "4 ranks ready" in nbutil.all_text(done[17])
     assert re.findall(r"runs on ranks 1 through 3: (\d)", nbutil.all_text(done[20])) == ["1", "2", "3"]
+
+
+# -- scripts from the PyTorch examples and tutorials, against torchrun -----------------------------
+
+SCRIPT = nbutil.REPO_ROOT / "tests" / "scripts" / "bring_your_script.py"
+SCRIPT_CELL = SCRIPT.read_text().split('if __name__ == "__main__":')[0]
+
+
+def _results_of(cell) -> list:
+    import ast
+
+    return ast.literal_eval(nbutil.stream_text(cell).strip().splitlines()[-1])
+
+
+def test_examples_and_tutorials_scripts_give_torchruns_numbers_run_after_run():
+    """pytorch/examples' multigpu.py style (mp.spawn's main(rank, world_size), its own ddp_setup on
+    a fixed MASTER_PORT) and pytorch/tutorials' dist_tuto (init_process sets its port, run() sends,
+    receives, all-reduces) pasted into a notebook: the same numbers as torchrun, every run."""
+    expected = {name: nbutil.torchrun_results(SCRIPT, name) for name in ("multigpu", "dist_tuto")}
+    cells = nbutil.run_cells([
+        "%load_ext mpify_nb\nimport json\nfrom mpify_nb import ranch",
+        SCRIPT_CELL,
+        *["print(ranch(2, main, 2, pass_rank=True))"] * 3,
+        *["print(ranch(2, init_process, 2, run, pass_rank=True))"] * 2,
+        "%%ranch 2\n"  # the tutorial written as a module-level script: the cell is the script
+        "import os\nrank, size = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])\n"
+        "os.environ['MASTER_ADDR'] = '127.0.0.1'; os.environ['MASTER_PORT'] = '29500'\n"
+        "dist.init_process_group('gloo', rank=rank, world_size=size)\n"
+        "module_level = run(rank, size)\n"
+        "dist.destroy_process_group()\n"
+        "module_level",
+    ], timeout=240)
+    multigpu = [_results_of(c) for c in cells[2:5]]
+    tuto = [_results_of(c) for c in cells[5:7]]
+    assert multigpu == [expected["multigpu"]] * 3
+    assert tuto == [expected["dist_tuto"]] * 2
+    shown = nbutil.all_text(cells[7])
+    for rank in (0, 1):
+        assert str(expected["dist_tuto"][rank]) in shown
