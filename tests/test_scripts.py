@@ -183,3 +183,37 @@ def test_a_ddp_model_outliving_its_group_never_deadlocks_call_after_call():
 
 def test_pass_rank_calls_fn_with_the_rank_first_as_mp_spawn_does():
     assert mpify_nb.ranch(3, hs.rank_and_world, 3, scale=10, pass_rank=True) == [(0, 3, 0), (10, 3, 1), (20, 3, 2)]
+
+
+# -- a Session's cells that make their own group --------------------------------------------------
+
+FAILS_BEFORE_ITS_INIT = """
+import time, torch.distributed as dist
+if rank == {failing}:
+    raise FileNotFoundError(f"shard {{rank}} is missing AT {{time.time():.3f}}")
+dist.init_process_group("gloo")
+"""
+OWN_GROUP = """
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29513", rank=rank, world_size=world_size)
+t = torch.ones(1) * (rank + 1); dist.all_reduce(t); dist.destroy_process_group(); t.item()"""
+
+
+@pytest.mark.parametrize("ddp, failing", [(True, 1), (False, 0)])
+def test_a_session_cell_whose_rank_fails_before_its_own_init_ends_and_keeps_state(ddp, failing):
+    """Without ddp rank 0 hosts the Session's store and opens it at its first rendezvous: failing
+    first, it leaves rank 1 waiting for the store to open (in Python); with ddp rank 0 waits in
+    the store (in C++). Either way the cell ends within 2 s and every rank keeps its state; cell
+    after cell, the ranks' own groups work (their keys apart, cell by cell)."""
+    from mpify_nb.errors import CollectiveError
+
+    from mpify_nb import Session
+
+    with Session(2, ddp=ddp) as s:
+        s.run("x = rank * 10")
+        with pytest.raises(CollectiveError) as info:
+            s.run(FAILS_BEFORE_ITS_INIT.format(failing=failing), timeout=60)
+        assert time.time() - _failed_at(info.value) < ENDS_WITHIN
+        assert f"rank {failing} raised FileNotFoundError" in str(info.value)
+        assert s.run("x") == {0: 0, 1: 10}
+        assert [s.run(OWN_GROUP) for _ in range(3)] == [{0: 3.0, 1: 3.0}] * 3
+        assert [r.group for r in s.status()] == ["none", "none"]  # the cell destroyed its group

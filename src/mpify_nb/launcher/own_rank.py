@@ -206,6 +206,7 @@ class CallerState:
         self.cuda_device: Optional[int] = None
         self.dist_was_up = False
         self.group_count: Optional[int] = None
+        self.groups_made = 0  # groups.made when the call began
         self.libraries: Optional[libraries.LibraryState] = None
 
     @classmethod
@@ -232,6 +233,7 @@ class CallerState:
         # torch not imported yet: the function may import it and fail in a rendezvous; the count
         # it leaves must still go back (a fresh process's is 0), or the next group's keys differ.
         self.group_count = groups.group_count() if torch is not None else 0
+        self.groups_made = groups.made
         self.libraries = libraries.LibraryState.snapshot()
         return self
 
@@ -269,11 +271,12 @@ class CallerState:
             if not self.dist_was_up:
                 # Even when the destroy failed (a peer gone): torch names the next group's keys by it.
                 groups.set_group_count(self.group_count)
-            try:
-                groups.forget_ended_groups()  # those torch keeps alive: their sockets close
-                groups.release_ended_groups()  # ours, held against a deadlock in torch (groups.py)
-            except Exception:
-                pass  # only sockets are left open
+            if groups.made != self.groups_made:  # the call made groups (a scan costs ms: only then)
+                try:
+                    groups.forget_ended_groups()  # those torch keeps alive: their sockets close
+                    groups.release_ended_groups()  # ours, held against a deadlock in torch (groups.py)
+                except Exception:
+                    pass  # only sockets are left open
             if self.cuda_device is not None:
                 try:
                     torch.cuda.set_device(self.cuda_device)

@@ -115,6 +115,7 @@ def _abort_group(state: RankState, control: socket.socket, req_id: int, body: An
     global _unquiet
     if _unquiet is None:  # each cut store connection prints a C++ stack: echoes of the abort
         _unquiet = compat.quiet_cpp_warnings()
+    rendezvous.abort()  # a cell's rendezvous waiting for the store to open (its host never came)
     group.cut_connections(pickle.loads(body))
     group.destroy_group(abort=True)
     rank_control.send(control, pack(ABORTED, req_id))  # the caller rebuilds only after every ack

@@ -260,6 +260,8 @@ def forget_ended_groups() -> int:
 #: (group, its backends) of every group made in this process since keep_groups(), until released.
 _kept: list[tuple[Any, list]] = []
 _original_helper: Any = None
+#: How many groups this process has made since keep_groups() (a call that made none has nothing to let go of).
+made = 0
 
 
 def keep_groups() -> None:
@@ -283,14 +285,16 @@ def keep_groups() -> None:
     _original_helper = original
 
     def helper(*args: Any, **kwargs: Any) -> Any:
-        made = original(*args, **kwargs)
+        global made
+        made += 1
+        result = original(*args, **kwargs)
         try:
-            group = made[0]
+            group = result[0]
             if isinstance(group, c10d.ProcessGroup):
                 _kept.append((group, compat._backends_of([group])))
         except Exception:
             pass  # only the deadlock guard is lost
-        return made
+        return result
 
     helper._mpify_nb = True  # type: ignore[attr-defined]
     c10d._new_process_group_helper = helper

@@ -24,6 +24,10 @@ makes every rank, rank 0 too, a client. Here::
 * A fixed ``MASTER_PORT`` works run after run: nothing binds it; the rendezvous goes to the call's store.
 * ``n`` keeps a second group of the same call (init, destroy, init) off the first one's keys.
 * A world of one (the notebook alone): a ``HashStore``, nothing listens at all.
+* A Session's rank (:func:`point_at`): the Session's store, hosted by its lowest rank (opened with
+  the Session's group, or without one at a cell's first rendezvous), keys under
+  ``mpify_nb/<cell>/<n>``; an abort frees a rank waiting in it by cutting its connections
+  (rank/group.py), its own client of a store it hosts included (:func:`store_endpoint`).
 
 Handlers are installed (:func:`install`) in every process that plays a rank, and act only while
 :func:`activate` says this process plays one and ``MPIFY_NB_RENDEZVOUS`` is set; anything else
@@ -63,6 +67,7 @@ _is_host = False  # this process hosts its call's store
 _host_socket: Optional[socket.socket] = None  # the host's bound socket, until it listens on it
 _hosted: Any = None  # the host's store server: kept until the process ends
 _open: set[tuple[str, int]] = set()  # stores this process has seen open
+_aborted = threading.Event()  # a rendezvous waiting for its store to open is to give up
 
 
 def spec(address: str, port: int, world: int, token: str) -> str:
@@ -120,6 +125,11 @@ def store_endpoint() -> Optional[tuple[str, int]]:
         return None
     address, port, _world, _token = value.rsplit("|", 3)
     return (address, int(port)) if int(port) else None
+
+
+def abort() -> None:
+    """(A Session's rank, on its control thread) a rendezvous waiting for the store to open gives up now."""
+    _aborted.set()
 
 
 def deactivate() -> None:
@@ -181,7 +191,11 @@ def _store(value: str, rank: int, world: int, timeout: datetime.timedelta) -> An
     address, port_text, world_text, _token = value.rsplit("|", 3)
     port, call_world = int(port_text), int(world_text)
     _check(rank, world, call_world)
-    scope = f"{value}/{_scope()}"
+    _aborted.clear()
+    unit = _scope()  # a Session's cell; a ranch call is one (its store is its own)
+    scope = f"{value}/{unit}"
+    if scope not in _counts:
+        _counts.clear()  # an earlier call's or cell's: never used again
     n = _counts.get(scope, 0)
     _counts[scope] = n + 1
     if port == 0:
@@ -192,7 +206,7 @@ def _store(value: str, rank: int, world: int, timeout: datetime.timedelta) -> An
     else:
         _wait_open(address, port, seconds)
         store = TCPStore(address, port, world, is_master=False, timeout=timeout)
-    return PrefixStore(f"mpify_nb/{n}", store)
+    return PrefixStore(f"mpify_nb/{unit}/{n}" if unit else f"mpify_nb/{n}", store)
 
 
 def _check(rank: int, world: int, call_world: int) -> None:
@@ -248,6 +262,9 @@ def _wait_open(address: str, port: int, seconds: float) -> None:
             _open.add((address, port))
             return
         except OSError:
+            if _aborted.is_set():
+                raise RuntimeError("init_process_group gave up: the store it waited for never opened (the rank that "
+                                   f"hosts it, rank {os.environ.get(HOST_VARIABLE)}, did not come)") from None
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"the call's rendezvous store ({address}:{port}) did not open within "
                                    f"{seconds:g} s: the rank that hosts it (rank {os.environ.get(HOST_VARIABLE)}) "
