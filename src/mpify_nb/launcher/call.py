@@ -353,15 +353,6 @@ class Call(WatchedCall):
         assert rank is not None
         waits.mark_groups_born()  # what this process's recorder holds is of its earlier calls
         waits.note_p2p()
-        # The function's own init_process_group: a client of the call's store; every group it makes
-        # is held against a deadlock in torch (torchdist/groups.py: keep_groups).
-        rendezvous.activate()
-        try:
-            return self._run_own_rank_here(fn, args, kwargs, ctx, env, rank)
-        finally:
-            rendezvous.deactivate()
-
-    def _run_own_rank_here(self, fn, args, kwargs, ctx, env, rank: int) -> Any:
         with self.own.running(env, self.engine.wake_w), rank_checks.in_the_notebook():
             try:
                 return self.own.play(fn, args, kwargs, ctx, self.imports, lambda: self._own_rank_returned(rank))

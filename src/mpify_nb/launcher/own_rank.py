@@ -24,7 +24,7 @@ from types import FrameType
 from typing import Any, Callable, Optional
 
 from ..engine import background, interrupts
-from ..torchdist import compat, groups, libraries
+from ..torchdist import compat, groups, libraries, rendezvous
 from .stopping import SafeStop, set_async_exception
 
 
@@ -115,14 +115,18 @@ class OwnRank:
     @contextlib.contextmanager
     def running(self, env: dict, wake_fd: int) -> Iterator[None]:
         """This thread plays the rank (``env`` its variables): SIGINT is routed through us,
-        the loop learns of it at once through ``wake_fd``."""
+        the loop learns of it at once through ``wake_fd``. The function's own init_process_group
+        is a client of the call's store, and every group it makes is held against a deadlock in
+        torch (torchdist/rendezvous.py, torchdist/groups.py: keep_groups)."""
         os.environ.update(env)
         libraries.apply_thread_env(env)  # a torchrun rank starts with these threads
         restore_signals = self._take_sigint(wake_fd) if self.on_main_thread else None
         restore_hook = self.stop.watch_unraisable()
+        rendezvous.activate()
         try:
             yield
         finally:
+            rendezvous.deactivate()
             restore_hook()
             if restore_signals is not None:
                 restore_signals()

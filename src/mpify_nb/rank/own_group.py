@@ -19,7 +19,7 @@ import sys
 from typing import Any, Callable
 
 from ..torchdist import compat, groups
-from ..wire.errors import add_note
+from ..wire.notes import add_note
 from . import group
 
 _original: list[Callable] = []

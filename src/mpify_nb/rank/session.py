@@ -39,7 +39,6 @@ import pickle
 import signal
 import socket
 import sys
-import threading
 import time
 from typing import Any, Callable, Optional
 

@@ -33,6 +33,9 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from . import notes
+from .notes import safe_str as safe_str  # where the rest of mpify_nb imports it from
+
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # mpify_nb/, above wire/
 
 
@@ -402,7 +405,7 @@ class RemoteFailure:
 
     @classmethod
     def capture(cls, exc: BaseException, dumps) -> RemoteFailure:
-        _with_hint(exc)
+        notes.with_hint(exc)
         te = traceback.TracebackException.from_exception(exc, capture_locals=False)
         frames = [(f.filename, f.lineno or 0, f.name, f.line or None) for f in te.stack]
         chain = ""
@@ -417,7 +420,7 @@ class RemoteFailure:
             blob = dumps(exc)
         except Exception:
             blob = None
-        return cls(_qualified_name(type(exc)), _with_notes(exc), frames, chain, blob)
+        return cls(_qualified_name(type(exc)), notes.with_notes(exc), frames, chain, blob)
 
     def format(self) -> str:
         """Format like Python does, with source lines taken from this process's linecache
@@ -444,56 +447,6 @@ class RemoteFailure:
             if isinstance(original, BaseException):
                 err.__cause__ = original
         return err
-
-
-def add_note(exc: BaseException, note: str) -> None:
-    """``exc.add_note(note)`` (Python 3.11), on any Python: shown after the exception's message,
-    here as by Python itself."""
-    notes = getattr(exc, "__notes__", None)
-    if not isinstance(notes, list):
-        notes = []
-        try:
-            exc.__notes__ = notes  # type: ignore[attr-defined]
-        except Exception:
-            return
-    if note not in notes:
-        notes.append(note)
-
-
-#: (words of an error, what to do): added to the error a rank reports (RemoteFailure.capture).
-_HINTS = (
-    ("trying to initialize the default process group twice",
-     "This rank has its default process group already: ctx=in_torchddp() (or %%ranch --ddp) made it, or an "
-     "earlier init_process_group. A function that makes its own group needs no ctx=in_torchddp() (nor --ddp): "
-     "drop it; or call dist.destroy_process_group() before making another."),
-)
-
-
-def _with_hint(exc: BaseException) -> None:
-    text = safe_str(exc)
-    for words, hint in _HINTS:
-        if words in text:
-            add_note(exc, hint)
-
-
-def _with_notes(exc: BaseException) -> str:
-    """The message of ``exc`` followed by its notes, one a line, as Python shows them."""
-    notes = getattr(exc, "__notes__", None)
-    extra = "".join(f"\n{n}" for n in notes if isinstance(n, str)) if isinstance(notes, list) else ""
-    return safe_str(exc) + extra
-
-
-def safe_str(exc: BaseException) -> str:
-    """``str(exc)``, even when the exception's own ``__str__`` raises: the error being
-    reported matters more than its message."""
-    try:
-        return str(exc)
-    except Exception as e:
-        try:
-            why = f"{type(e).__name__}: {e}"
-        except Exception:
-            why = type(e).__name__
-        return f"<str() of this {type(exc).__name__} raised {why}>"
 
 
 def _qualified_name(tp: type) -> str:
