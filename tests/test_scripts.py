@@ -20,7 +20,13 @@ import pytest
 import helpers_ranks as hr
 import helpers_scripts as hs
 import mpify_nb
-from helpers_ranch import SCRIPTS_DIR, TESTS_DIR, assert_next_call_works
+from helpers_ranch import (  # noqa: F401  (method: a fixture)
+    BOTH_METHODS,
+    SCRIPTS_DIR,
+    TESTS_DIR,
+    assert_next_call_works,
+    method,
+)
 from mpify_nb import RankExitedError, RankRaisedError, in_torchddp
 
 #: The issue's promise: a rank failing anywhere ends the call within this many seconds of it.
@@ -124,7 +130,11 @@ def test_a_tcp_init_method_on_a_fixed_port_works_run_after_run():
     assert results == [[3.0, 3.0], [3.0, 3.0]]
 
 
+@BOTH_METHODS
+@pytest.mark.usefixtures("method")
 def test_a_second_group_in_the_same_call_does_not_read_the_firsts_keys():
+    """Spawned ranks import torch.distributed only in the function: the rendezvous handlers and
+    the collective check must be in place by its first init_process_group all the same."""
     assert mpify_nb.ranch(3, hs.two_groups_in_a_row, timeout=60) == [[6.0, 60.0]] * 3
 
 

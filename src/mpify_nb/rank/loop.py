@@ -142,8 +142,10 @@ def _one_call(channel: socket.socket, state: RankState, req: int, body: Any, fds
     except BaseException as e:
         _send_failure(channel, req, e, f"rank {rank} could not load the call")
         process.end(0)
-    p2p.install()  # isend/irecv note their peers for the caller's looks (torch already imported)
-    checks.starting()  # a spawned rank: torch.distributed came with the call
+    checks.starting()  # on or off as the caller says (a template's rank: installed already)
+    # isend/irecv note their peers for the caller's looks; a spawned rank's check installed now,
+    # or once the function imports torch.distributed (before its first group)
+    rendezvous.when_imported(lambda: (p2p.install(), checks.starting()))
     control.send(channel, pack(READY, req))
     if framing.recv(channel) is None:  # no GO: the caller gave up (another rank failed to load)
         process.end(0)

@@ -274,11 +274,43 @@ def _wait_open(address: str, port: int, seconds: float) -> None:
 
 # -- torch imported during the call --------------------------------------------------------------
 
+#: What runs once torch.distributed is imported, in a process that plays a rank (when_imported).
+_waiting: list[Callable[[], None]] = []
+
+
+def when_imported(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once ``torch.distributed`` is imported: now if it is; else right after
+    its import (a spawned rank, or the notebook, whose function imports torch during the call).
+    What a rank installs there (these handlers, the collective check, the p2p notes) must be in
+    place before the function's first ``init_process_group``."""
+    if "torch.distributed" in sys.modules and "torch.distributed.distributed_c10d" in sys.modules:
+        callback()
+        return
+    with _lock:
+        _waiting.append(callback)
+    _install_when_imported()
+
+
+def _imported() -> None:
+    """torch.distributed's package has just run: our handlers, the groups kept, what waited."""
+    module = sys.modules.get("torch.distributed.rendezvous")
+    if module is not None:
+        _install_into(module)
+    groups.keep_groups()
+    with _lock:
+        waiting, _waiting[:] = list(_waiting), []
+    for callback in waiting:
+        try:
+            callback()
+        except Exception:
+            pass  # what it guards is lost, the call goes on
+
+
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Install the handlers right after torch.distributed.rendezvous is first imported."""
+    """Run :func:`_imported` right after the package ``torch.distributed`` is first imported."""
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != "torch.distributed.rendezvous":
+        if name != "torch.distributed":
             return None
         _remove_finder()
         spec = importlib.machinery.PathFinder.find_spec(name, path)
@@ -288,11 +320,11 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         original_exec = loader.exec_module  # type: ignore[attr-defined]
 
         def exec_module(module: Any) -> None:
-            original_exec(module)  # it registers torch's handlers last
+            original_exec(module)  # distributed_c10d, rendezvous and the rest are imported now
             try:
-                _install_into(module)
+                _imported()
             except Exception:
-                pass  # torch renamed its table: torch's own handlers stay
+                pass  # torch renamed what we patch: torch's own stays
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
