@@ -7,6 +7,9 @@
 * ``dist_tuto``: pytorch/tutorials' "Writing distributed applications": ``init_process(rank, size,
   fn)`` sets the address and port and makes the group, ``run(rank, size)`` sends and receives, then
   all-reduces.
+* ``tp``: pytorch/examples' tensor-parallel example style: ``init_device_mesh`` makes the group (its
+  own ``init_process_group``), ``parallelize_module`` shards an MLP column- then row-wise, a few
+  steps of training; each rank reports its loss and its shard's checksum.
 
 Each prints ``RESULT {...}`` per rank. Run as::
 
@@ -152,6 +155,43 @@ def tuto_torchrun():
     return result
 
 
+# -- pytorch/examples' tensor parallel -----------------------------------------------------------
+
+class ToyModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.in_proj = torch.nn.Linear(10, 32)
+        self.relu = torch.nn.ReLU()
+        self.out_proj = torch.nn.Linear(32, 5)
+
+    def forward(self, x):
+        return self.out_proj(self.relu(self.in_proj(x)))
+
+
+def tensor_parallel(steps=3):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
+    torch.manual_seed(0)
+    model = parallelize_module(ToyModel(), mesh, {"in_proj": ColwiseParallel(), "out_proj": RowwiseParallel()})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    torch.manual_seed(1)  # every rank the same input, as the example does
+    losses = []
+    for _ in range(steps):
+        inp = torch.rand(20, 10)
+        loss = model(inp).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(round(loss.item(), 5))
+    shard = model.in_proj.weight.to_local()
+    result = {"rank": dist.get_rank(), "losses": losses, "shard_sum": round(shard.sum().item(), 6)}
+    dist.destroy_process_group()
+    print("RESULT " + json.dumps(result), flush=True)
+    return result
+
+
 if __name__ == "__main__":
     import sys
 
@@ -167,3 +207,5 @@ if __name__ == "__main__":
             tuto_torchrun()
         else:
             mp.spawn(init_process, args=(2, run), nprocs=2)
+    elif which == "tp":
+        tensor_parallel()
