@@ -180,7 +180,7 @@ class Call(WatchedCall):
             self.finished = True
             self.watch.end()
             self.engine.user_waits.close_prompts()  # the ranks are done or stopped: no one reads the answers
-            self._stop_all()
+            _stop_ranks(list(self.ranks.values()), self.outcome.over, _store_host(self.nprocs, self.caller_rank))
             for handle in self.ranks.values():
                 self.engine.bury(handle)
             placer.release()
@@ -399,21 +399,19 @@ class Call(WatchedCall):
                 pass
             self.own.interrupt()  # the caller's rank runs on our thread
 
-    # -- ending --------------------------------------------------------------------------
 
-    def _stop_all(self) -> None:
-        """Finished ranks get a moment to exit on their own; everything else is killed now (the
-        store's host too: it waits to be told the call is over, its store may still be in use)."""
-        failed = self.outcome.over
-        deadline = time.monotonic() + (0 if failed else _EXIT_GRACE)
-        host = _store_host(self.nprocs, self.caller_rank)
-        for handle in self.ranks.values():
-            if failed or not handle.done or handle.rank == host:
+
+def _stop_ranks(ranks: list[_Rank], failed: bool, store_host: Optional[int]) -> None:
+    """The call's end: finished ranks get a moment to exit on their own; everything else is killed
+    now (the store's host too: it waits to be told the call is over, its store may still be in use)."""
+    deadline = time.monotonic() + (0 if failed else _EXIT_GRACE)
+    for handle in ranks:
+        if failed or not handle.done or handle.rank == store_host:
+            handle.process.kill()
+        else:
+            remaining = max(0.0, deadline - time.monotonic())
+            if handle.process.exit_code(remaining) is None:
                 handle.process.kill()
-            else:
-                remaining = max(0.0, deadline - time.monotonic())
-                if handle.process.exit_code(remaining) is None:
-                    handle.process.kill()
 
 
 def _store_host(nprocs: int, caller_rank: Optional[int]) -> Optional[int]:
