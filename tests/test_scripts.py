@@ -195,6 +195,47 @@ def test_pass_rank_calls_fn_with_the_rank_first_as_mp_spawn_does():
     assert mpify_nb.ranch(3, hs.rank_and_world, 3, scale=10, pass_rank=True) == [(0, 3, 0), (10, 3, 1), (20, 3, 2)]
 
 
+# -- what torch's init_process_group leaves in the caller: its excepthook --------------------------
+
+def _notebooks_hook(*exc_info) -> None:
+    """Stands for the kernel's own sys.excepthook."""
+
+
+@pytest.mark.parametrize("how", ["in_torchddp", "its own init", "a rank failing", "in the background"])
+def test_the_callers_excepthook_is_put_back_after_the_call(how, monkeypatch):
+    """init_process_group wraps sys.excepthook in one that prefixes "[rank0]: " (torch's c10d):
+    it stayed in the notebook after every call that made a group, one wrapper more per call."""
+    monkeypatch.setattr(sys, "excepthook", _notebooks_hook)
+    if how == "in_torchddp":
+        assert mpify_nb.ranch(2, hs.rank_and_world, 2, ctx=in_torchddp(), pass_rank=True) == [(0, 2, 0), (1, 2, 1)]
+    elif how == "its own init":
+        assert mpify_nb.ranch(2, hs.fails_around_init, 5, "never", timeout=60) == [2, 2]
+    elif how == "a rank failing":
+        with pytest.raises(RankRaisedError):
+            mpify_nb.ranch(2, hs.fails_around_init, 1, "after", timeout=60)
+    else:
+        assert mpify_nb.ranch(2, hs.fails_around_init, 5, "never", wait=False).result(60) == [2, 2]
+    assert sys.excepthook is _notebooks_hook
+
+
+HOOK = "sys.excepthook.__qualname__"
+
+
+def test_a_persistent_ranks_excepthook_is_its_own_cell_after_cell():
+    """The Session's group and every cell's own wrapped a rank's hook once more ("[rank1]: [rank1]:
+    ..." on a crash, and a deeper chain cell after cell); a hook the user sets stays."""
+    from mpify_nb import Session
+
+    with Session(2, ddp=True) as s:
+        assert s.run("import sys\n" + HOOK) == {0: "excepthook", 1: "excepthook"}
+        for _ in range(2):
+            s.run(OWN_GROUP)
+            assert s.run(HOOK) == {0: "excepthook", 1: "excepthook"}
+        s.run("def mine(*exc_info): pass\nsys.excepthook = mine")
+        s.restart()  # the Session's group again
+        assert s.run(HOOK) == {0: "mine", 1: "mine"}
+
+
 # -- a Session's cells that make their own group --------------------------------------------------
 
 FAILS_BEFORE_ITS_INIT = """

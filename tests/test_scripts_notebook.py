@@ -141,6 +141,35 @@ def test_a_fixed_master_port_works_run_after_run_and_nothing_listens_in_the_kern
     assert nb.value("listening()") == before
 
 
+def test_the_kernels_excepthook_is_its_own_after_ranch_and_ranch_cells(nb, tmp_path):
+    """init_process_group wraps sys.excepthook in a "[rank0]: " one (torch's c10d). IPython swaps
+    the hook around each cell, which hid it after a blocking call; a call in the background whose
+    group came up between cells left the kernel with torch's hook for good."""
+    go, done = tmp_path / "go", tmp_path / "done"
+    nb.ok("import sys\nbetween_cells = []  # the kernel's hook, as IPython finds it before each cell\n"
+          "get_ipython().events.register('pre_run_cell', lambda info: between_cells.append(sys.excepthook))")
+    nb.ok("ranch(2, lambda: dist.get_rank(), ctx=in_torchddp())")
+    nb.ok("%%ranch 2 --ddp\ndist.get_rank()")
+    nb.ok(f"def group_between_cells():\n"
+          f"    while not os.path.exists({str(go)!r}):\n"
+          f"        time.sleep(0.01)\n"
+          f"    dist.init_process_group('gloo')\n"
+          f"    dist.destroy_process_group()\n"
+          f"    return dist.is_initialized()\n"
+          f"work = ranch(2, group_between_cells, wait=False)\n"
+          f"work.add_done_callback(lambda work: open({str(done)!r}, 'w').close())")
+    go.touch()  # the kernel is idle (no cell runs): the group comes up and goes between cells
+    deadline = time.monotonic() + 60
+    while not done.exists():
+        assert time.monotonic() < deadline, "the background call did not end"
+        time.sleep(0.05)
+    assert nb.value("work.result()") == [False, False]
+    hooks = nb.value("[getattr(h, '__qualname__', repr(h)) for h in between_cells]")
+    assert set(hooks) == {"IPKernelApp.excepthook"}, hooks
+    ran = nb.fails("1 / 0", "ZeroDivisionError")
+    assert "[rank0]" not in ran.error_text()
+
+
 # -- persistent cells ---------------------------------------------------------------------------
 
 def test_a_rank_failing_before_a_cells_own_init_ends_the_cell_and_keeps_state(dist):

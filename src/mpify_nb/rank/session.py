@@ -39,6 +39,7 @@ import pickle
 import signal
 import socket
 import sys
+import threading
 import time
 from typing import Any, Callable, Optional
 
@@ -93,18 +94,29 @@ def start(channel: socket.socket, config: dict, fds: list[int], state: RankState
     # A cell's own init_process_group meets the others at the Session's store, its rendezvous
     # counted per cell (torchdist/rendezvous.py), in place of the Session's group (own_group.py).
     rendezvous.activate(scope=lambda: str(state.request))
+    # Each init_process_group wraps sys.excepthook in a "[rankN]: " one: unwrapped after the
+    # Session's group and after every request, or a cell's own groups stack them (a hook the
+    # user sets stays).
+    excepthook = sys.excepthook
     try:
         ready = group.start(namespace, config["rank"], session, listen_fd)
         own_group.install()
         reply = pack(READY, NO_REQUEST, pickle.dumps(ready))
     except BaseException as e:
         reply = pack(FAIL, NO_REQUEST, pickle.dumps((_capture(e), False, {})))
+    sys.excepthook = compat.without_rank_excepthooks(sys.excepthook, excepthook)
     rank_control.send(channel, reply)
     if not ready:
         process.end(1)
 
     def handler(kind: bytes) -> rank_control.Request:
-        return lambda channel, state, req_id, body, fds: _handle(kind, req_id, body, fds, namespace, state)
+        def handle(channel, state, req_id, body, fds) -> tuple[bytes, list[int]]:
+            before = sys.excepthook
+            try:
+                return _handle(kind, req_id, body, fds, namespace, state)
+            finally:
+                sys.excepthook = compat.without_rank_excepthooks(sys.excepthook, before)
+        return handle
 
     return {kind: handler(kind) for kind in (RUN, APPLY, PUSH, PULL, MISSING, GROUP, COMM, CHECKS)}
 

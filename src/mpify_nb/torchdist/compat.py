@@ -24,6 +24,8 @@ DeviceMesh ``_dim_group_names``        2.8         :func:`mesh_group_names_attri
                                                    (before: ``_dim_group_infos``)
 gloo's "[Gloo] Rank N is connected"    2.8-2.12    :func:`gloo_prints_banner`
   line on stdout
+init_process_group's "[rankN]: "       all         :func:`without_rank_excepthooks` (the caller's
+  sys.excepthook                                   rank, a persistent rank after each request)
 c10's log level, set while running     all         :func:`quiet_cpp_warnings` (``FLAGS_caffe2_log_level``
                                                    in libc10; nothing where it is missing)
 =====================================  ==========  ==============================================
@@ -293,3 +295,20 @@ def quiet_cpp_warnings() -> Callable[[], None]:
         level.value = before
 
     return restore
+
+
+def is_rank_excepthook(hook: Any) -> bool:
+    """``hook`` is one ``init_process_group`` installs over ``sys.excepthook`` (each group wraps
+    the hook before it in one that prefixes "[rankN]: " to every line), not the user's."""
+    return getattr(hook, "__qualname__", "").endswith("init_process_group.<locals>._distributed_excepthook")
+
+
+def without_rank_excepthooks(hook: Any, fallback: Any) -> Any:
+    """``hook`` without the "[rankN]: " wrappers of the groups made since (what each wrapped, down
+    to a hook not torch's); ``fallback`` where a wrapper does not say what it wrapped."""
+    while is_rank_excepthook(hook):
+        names = hook.__code__.co_freevars
+        if "old_hook" not in names or hook.__closure__ is None:
+            return fallback
+        hook = hook.__closure__[names.index("old_hook")].cell_contents
+    return hook
