@@ -268,3 +268,30 @@ def test_a_session_cell_whose_rank_fails_before_its_own_init_ends_and_keeps_stat
         assert s.run("x") == {0: 0, 1: 10}
         assert [s.run(OWN_GROUP) for _ in range(3)] == [{0: 3.0, 1: 3.0}] * 3
         assert [r.group for r in s.status()] == ["none", "none"]  # the cell destroyed its group
+
+
+@pytest.mark.parametrize("when, how", [("during", "exit"), ("after", "raise")])
+def test_a_session_cell_whose_rank_fails_in_or_after_its_own_init_ends_within_2s(when, how, tmp_path):
+    """Rank 1 dies inside the cell's own init_process_group (rank 0 waits in the rendezvous), or
+    raises after it (rank 0 waits in an all_reduce): the cell ends within 2 s with rank 1's error;
+    the rank that lived keeps its state, and %dist_restart's Session.restart() brings the dead one back."""
+    from mpify_nb.errors import CollectiveError
+
+    from mpify_nb import Session
+
+    where = tmp_path / "died_at"
+    with Session(2, ddp=True) as s:
+        s.run("import helpers_scripts as hs\nx = rank * 10")
+        expected = RankExitedError if how == "exit" else CollectiveError
+        with pytest.raises(expected) as info:
+            s.run(f"hs.fails_around_init(1, {when!r}, {how!r}, {str(where)!r})", timeout=60)
+        failed_at = float(where.read_text()) if how == "exit" else _failed_at(info.value)
+        assert time.time() - failed_at < ENDS_WITHIN
+        if how == "exit":
+            assert (info.value.rank, info.value.exitcode) == (1, 3)
+            s.restart()  # a fresh rank 1: nothing of the old one's state
+            assert s.run("import helpers_scripts as hs\nx = rank * 10 if rank else x\nx") == {0: 0, 1: 10}
+        else:
+            assert "rank 1 raised FileNotFoundError" in str(info.value)
+            assert s.run("x") == {0: 0, 1: 10}
+        assert s.run("hs.fails_around_init(5, 'never')") == {0: 2, 1: 2}  # its own group again, cell after cell

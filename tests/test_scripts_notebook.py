@@ -265,15 +265,18 @@ def _results_of(cell) -> list:
 def test_examples_and_tutorials_scripts_give_torchruns_numbers_run_after_run():
     """pytorch/examples' multigpu.py style (mp.spawn's main(rank, world_size), its own ddp_setup on
     a fixed MASTER_PORT), pytorch/tutorials' dist_tuto (init_process sets its port, run() sends,
-    receives, all-reduces) and pytorch/examples' tensor parallel (init_device_mesh, parallelize_module)
-    pasted into a notebook: the same numbers as torchrun, every run."""
-    expected = {name: nbutil.torchrun_results(SCRIPT, name) for name in ("multigpu", "dist_tuto", "tp")}
+    receives, all-reduces), pytorch/examples' tensor parallel (init_device_mesh, parallelize_module)
+    and FSDP2 (fully_shard per layer, Adam) pasted into a notebook: the same numbers as torchrun,
+    every run; multigpu_torchrun.py's twin (the group from the environment) as well."""
+    expected = {name: nbutil.torchrun_results(SCRIPT, name) for name in ("multigpu", "dist_tuto", "tp", "fsdp2")}
     cells = nbutil.run_cells([
         "%load_ext mpify_nb\nimport json\nfrom mpify_nb import ranch",
         SCRIPT_CELL,
         *["print(ranch(2, main, 2, pass_rank=True))"] * 3,
         *["print(ranch(2, init_process, 2, run, pass_rank=True))"] * 2,
         *["print(ranch(2, tensor_parallel))"] * 2,
+        *["print(ranch(2, fsdp2))"] * 2,
+        "print(ranch(2, main_torchrun))",
         "%%ranch 2\n"  # the tutorial written as a module-level script: the cell is the script
         "import os\nrank, size = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])\n"
         "os.environ['MASTER_ADDR'] = '127.0.0.1'; os.environ['MASTER_PORT'] = '29500'\n"
@@ -281,13 +284,16 @@ def test_examples_and_tutorials_scripts_give_torchruns_numbers_run_after_run():
         "module_level = run(rank, size)\n"
         "dist.destroy_process_group()\n"
         "module_level",
-    ], timeout=240)
+    ], timeout=360)
     multigpu = [_results_of(c) for c in cells[2:5]]
     tuto = [_results_of(c) for c in cells[5:7]]
     tp = [_results_of(c) for c in cells[7:9]]
+    fsdp = [_results_of(c) for c in cells[9:11]]
     assert multigpu == [expected["multigpu"]] * 3
     assert tuto == [expected["dist_tuto"]] * 2
     assert tp == [expected["tp"]] * 2  # the notebook's own rank checked its DTensor's collectives too
-    shown = nbutil.all_text(cells[9])
+    assert fsdp == [expected["fsdp2"]] * 2
+    assert _results_of(cells[11]) == expected["multigpu"]
+    shown = nbutil.all_text(cells[12])
     for rank in (0, 1):
         assert str(expected["dist_tuto"][rank]) in shown

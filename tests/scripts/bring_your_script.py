@@ -1,4 +1,4 @@
-"""Two scripts as the PyTorch examples and tutorials write them, on CPU with gloo (issue 38).
+"""Scripts as the PyTorch examples and tutorials write them, on CPU with gloo (issue 38).
 
 * ``multigpu``: pytorch/examples' DDP tutorial series style: ``ddp_setup(rank, world_size)`` fixes
   MASTER_ADDR/MASTER_PORT and calls ``init_process_group``; a ``Trainer`` with a DDP model, a
@@ -10,11 +10,14 @@
 * ``tp``: pytorch/examples' tensor-parallel example style: ``init_device_mesh`` makes the group (its
   own ``init_process_group``), ``parallelize_module`` shards an MLP column- then row-wise, a few
   steps of training; each rank reports its loss and its shard's checksum.
+* ``fsdp2``: pytorch/examples' FSDP2 example style: its own ``init_process_group``, ``fully_shard``
+  on each layer then on the model, Adam, each rank its own batches; each rank reports its losses
+  and the sums of the full (unsharded) parameters.
 
 Each prints ``RESULT {...}`` per rank. Run as::
 
     python bring_your_script.py multigpu|dist_tuto          # mp.spawn, 2 processes
-    torchrun --nproc-per-node 2 bring_your_script.py multigpu|dist_tuto
+    torchrun --nproc-per-node 2 bring_your_script.py multigpu|dist_tuto|tp|fsdp2
 
 In a notebook, everything above the entry point at the end is the cell; ``ranch(2, main, 2,
 pass_rank=True)`` runs it as mp.spawn would.
@@ -192,6 +195,35 @@ def tensor_parallel(steps=3):
     return result
 
 
+# -- pytorch/examples' FSDP2 --------------------------------------------------------------------
+
+def fsdp2(steps=3):
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    assert isinstance(model, FSDPModule)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    torch.manual_seed(1 + dist.get_rank())  # each rank its own data
+    losses = []
+    for _ in range(steps):
+        loss = model(torch.rand(8, 16)).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(round(loss.item(), 6))
+    full = [round(p.full_tensor().sum().item(), 6) for p in model.state_dict().values()]  # flat: one line
+    result = {"rank": dist.get_rank(), "losses": losses, "full": full}
+    dist.destroy_process_group()
+    print("RESULT " + json.dumps(result), flush=True)
+    return result
+
+
 if __name__ == "__main__":
     import sys
 
@@ -209,3 +241,5 @@ if __name__ == "__main__":
             mp.spawn(init_process, args=(2, run), nprocs=2)
     elif which == "tp":
         tensor_parallel()
+    elif which == "fsdp2":
+        fsdp2()
