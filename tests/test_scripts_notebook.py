@@ -139,6 +139,26 @@ def test_a_fixed_master_port_works_run_after_run_and_nothing_listens_in_the_kern
     runs = [nb.value("ranch(2, main, 2, pass_rank=True)") for _ in range(3)]
     assert runs == [runs[0]] * 3 and runs[0][0] == runs[0][1]
     assert nb.value("listening()") == before
+    # The same script at module level in %%ranch: its DDP `model` stays in the notebook, and held
+    # its group's gloo listener (a port listening in the kernel after every such cell).
+    cell = ("%%ranch 2\n"
+            "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+            "rank = int(os.environ['RANK'])\n"
+            "ddp_setup(rank, 2)\n"
+            "torch.manual_seed(0)\n"
+            "model = DDP(torch.nn.Linear(4, 1))\n"
+            "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+            "for _ in range(3):\n"
+            "    loss = (model(torch.ones(2, 4) * (rank + 1)) - 1).pow(2).mean()\n"
+            "    opt.zero_grad(); loss.backward(); opt.step()\n"
+            "dist.destroy_process_group()\n"
+            "round(model.module.weight.detach().sum().item(), 6)")
+    for _ in range(2):
+        assert lines(nb.ok(cell)) == [f"[rank 0] {runs[0][0]}", f"[rank 1] {runs[0][0]}"]
+        assert nb.value("listening()") == before
+    assert nb.value("round(model.module.weight.detach().sum().item(), 6)") == runs[0][0]  # the model is kept
+    refused = nb.fails("model(torch.ones(1, 4))", "RuntimeError").error_text()
+    assert "made on the process group of a ranch call" in refused
 
 
 def test_the_kernels_excepthook_is_its_own_after_ranch_and_ranch_cells(nb, tmp_path):

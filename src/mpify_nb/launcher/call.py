@@ -188,12 +188,12 @@ class Call(WatchedCall):
             relay.close()
             with self.outcome.cond:
                 self.engine.close()
+            state.disarm_ended_ddp(values)  # first: an ended DDP lets go of its group while it is kept
             state.restore()
             if self.unquiet is not None:
                 self.unquiet()
             if state.environ is not None:
                 environ.set_caller_environ(None)
-            state.disarm_ended_ddp(values)
             if self.ranks and placement.get_start_method() == "template":
                 template.learn(self.imported)  # what the ranks imported, preloaded for the next calls
 

@@ -244,13 +244,14 @@ class CallerState:
     def disarm_ended_ddp(self, values: list) -> None:
         """A DDP or FSDP model, DTensor or DeviceMesh made on the group this call ended, left in the
         notebook (a %%ranch --ddp cell's variable, or the caller's return value), must say so when
-        used (see torchdist/groups.py)."""
+        used (see torchdist/groups.py). Before :meth:`restore`: a group the function left up ends
+        there, and a model lets go of its group while the group is still kept (groups.py)."""
         if self.environ is None or self.dist_was_up:
-            return
+            return  # a group the notebook had before the call stays up: its models still work
         torch = sys.modules.get("torch")
         try:
-            if torch is None or torch.distributed.is_initialized():
-                return  # the function left a group up: its models still work
+            if torch is None:
+                return
             main = sys.modules.get("__main__")
             groups.disarm_ended_ddp([values, *(vars(main).values() if main is not None else ())])
         except Exception:

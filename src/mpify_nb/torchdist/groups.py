@@ -114,6 +114,7 @@ def disarm_ended_ddp(roots: Sequence[Any]) -> int:
         kind = type(obj)
         if issubclass(kind, ddp_type):
             _refuse_calls(obj, ENDED_GROUP_MESSAGE)
+            _let_go_of_group(obj)
         elif fsdp_type is not None and issubclass(kind, fsdp_type):
             for module in obj.modules():  # each FSDP submodule gathers its own parameters
                 if isinstance(module, fsdp_type):
@@ -138,6 +139,24 @@ def _refuse_calls(module: Any, message: str) -> None:
         module._mpify_group_ended = message
         # In front of the module's own hooks: FSDP's pre-forward hook is where it gathers.
         module.register_forward_pre_hook(_refuse_ended_group, prepend=True)
+
+
+#: What a DistributedDataParallel holds its group by: the Reducer and the Logger (C++, each holds
+#: the group) and the group itself.
+_DDP_GROUP_HOLDERS = ("logger", "reducer", "process_group")
+
+
+def _let_go_of_group(model: Any) -> None:
+    """An ended DDP model left in the notebook (a %%ranch cell's ``model``) kept its group, and the
+    group's gloo listener with it: the notebook listened on a port after the call. Dropped while
+    :func:`keep_groups` still holds the group (the Reducer's destructor then does not free it, with
+    the GIL held). ``.module`` stays; calling the DDP is refused anyway."""
+    for name in _DDP_GROUP_HOLDERS:
+        if getattr(model, name, None) is not None:
+            try:
+                setattr(model, name, None)
+            except Exception:
+                pass  # only a listener is left open
 
 
 def _refuse_ended_group(module, args) -> None:
