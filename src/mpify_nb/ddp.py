@@ -8,11 +8,10 @@ Used three ways::
         with in_torchddp():                   # inside a rank, or any process with RANK/WORLD_SIZE
             ...
 
-Rendezvous: under ``ranch`` the TCPStore is hosted by a *spawned* rank
-(``MPIFY_NB_STORE_RANK``), never by the caller. If any rank dies before joining,
+Rendezvous: the usual ``env://``. Under ``ranch`` it goes to the call's store, hosted by a
+*spawned* rank, never by the caller (torchdist/rendezvous.py): if any rank dies before joining,
 the launcher kills the ranks, the store goes with them, and a caller blocked in
 ``init_process_group`` gets an error at once instead of waiting 30 minutes.
-Outside ``ranch`` it is the usual ``env://`` rendezvous.
 
 What ``ranch`` and a Session share with this module about groups (GPU ids, the store's
 listening socket, torch's group count) is in torchdist/groups.py, below all three.
@@ -26,7 +25,7 @@ import warnings
 from typing import Any, Callable, Optional
 
 from .torchdist import compat
-from .torchdist.groups import GpuSpec, group_count, listen_on, parse_gpus, set_group_count
+from .torchdist.groups import GpuSpec, group_count, parse_gpus, set_group_count
 
 
 class TorchDDPCtx:
@@ -64,7 +63,6 @@ class TorchDDPCtx:
         self.gpus = parse_gpus(gpus)
         self.timeout = timeout
         self._saved: list[tuple[Optional[int], bool]] = []
-        self._store: Any = None
         self._on_cpu = False  # fewer GPUs here than ranks: every rank on CPU (_mpify_prepare)
 
     def __getstate__(self) -> dict:
@@ -115,15 +113,6 @@ class TorchDDPCtx:
                              + ("" if self.gpus is not None else f"; {nprocs} ranks need {nprocs} GPUs, "
                                 "pass gpus= to choose them or backend='gloo'"))
 
-    # Called by a rank of ranch after it loaded the call, before it reports ready: the rank
-    # that hosts the rendezvous store opens it now, so no one connects to a closed port
-    # (TCPStore clients that do back off for ~0.7 s).
-    def _mpify_rank_setup(self) -> None:
-        store_rank = os.environ.get("MPIFY_NB_STORE_RANK")
-        if store_rank is None or os.environ.get("RANK") != store_rank:
-            return
-        self._store = _make_store(is_master=True)
-
     def device_for(self, local_rank: int) -> Optional[int]:
         """The GPU id this rank uses, or None for CPU."""
         import torch
@@ -172,15 +161,9 @@ class TorchDDPCtx:
         kwargs: dict[str, Any] = {"backend": backend, "rank": rank, "world_size": world_size}
         if self.timeout is not None:
             kwargs["timeout"] = datetime.timedelta(seconds=self.timeout)
-        store_rank = os.environ.get("MPIFY_NB_STORE_RANK")
+        kwargs["init_method"] = "env://"  # under ranch: the call's store (torchdist/rendezvous.py)
         groups_before = group_count()
         try:
-            if store_rank is not None:
-                store = getattr(self, "_store", None)
-                self._store = None
-                kwargs["store"] = store or _make_store(is_master=rank == int(store_rank))
-            else:
-                kwargs["init_method"] = "env://"
             with compat.quiet_gloo_banner():
                 dist.init_process_group(**kwargs)
         except BaseException:
@@ -206,22 +189,6 @@ class TorchDDPCtx:
             import torch
 
             torch.cuda.set_device(previous)
-
-
-def _make_store(is_master: bool) -> Any:
-    """The rendezvous TCPStore of a ranch call. Its server listens on MASTER_ADDR only
-    (loopback under ranch): by default TCPStore would listen on every interface."""
-    # Public API (torch.distributed.TCPStore), re-exported from a private module without __all__.
-    from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
-
-    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    world_size = int(os.environ["WORLD_SIZE"])
-    if not is_master:
-        return TCPStore(addr, port, world_size, is_master=False)
-    # The store owns the listening socket from here on, and closes it.
-    return TCPStore(addr, port, world_size, is_master=True, wait_for_workers=False,
-                    master_listen_fd=listen_on(addr, port, world_size * 2).detach(),
-                    **compat.listen_fd_store_options())
 
 
 def in_torchddp(

@@ -44,13 +44,14 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from typing import Any, Callable, Optional
 
 from ..engine import background, core, interrupts, members
 from ..rank import checks as rank_checks
 from ..relay.pipes import OutputRelay
 from ..start import environ, placement, template
-from ..torchdist import waits
+from ..torchdist import compat, rendezvous, waits
 from ..wire import framing, payload, shm
 from ..wire.errors import RankError, RemoteFailure, safe_str
 from ..wire.protocol import CALL, DONE, FAIL, GO, IMPORTED, READY, pack
@@ -92,6 +93,7 @@ class Call(WatchedCall):
         self.aborting = False  # we are stopping the ranks: their deaths are no news
         self.finished = False  # the caller's own rank is done; the watch may end
         self.own_returned = False  # the caller's own rank returned from fn
+        self.unquiet: Optional[Callable[[], None]] = None  # puts torch's C++ warnings back
         self.layout: Optional[placement.Layout] = None
         self.own = own_rank.OwnRank()
         self.engine = core.Engine(OutputRelay(sys.stdout, sys.stderr), pump_output=False)
@@ -178,7 +180,7 @@ class Call(WatchedCall):
             self.finished = True
             self.watch.end()
             self.engine.user_waits.close_prompts()  # the ranks are done or stopped: no one reads the answers
-            self._stop_all()
+            _stop_ranks(list(self.ranks.values()), self.outcome.over, _store_host(self.nprocs, self.caller_rank))
             for handle in self.ranks.values():
                 self.engine.bury(handle)
             placer.release()
@@ -186,10 +188,12 @@ class Call(WatchedCall):
             relay.close()
             with self.outcome.cond:
                 self.engine.close()
+            state.disarm_ended_ddp(values)  # first: an ended DDP lets go of its group while it is kept
             state.restore()
+            if self.unquiet is not None:
+                self.unquiet()
             if state.environ is not None:
                 environ.set_caller_environ(None)
-            state.disarm_ended_ddp(values)
             if self.ranks and placement.get_start_method() == "template":
                 template.learn(self.imported)  # what the ranks imported, preloaded for the next calls
 
@@ -210,6 +214,7 @@ class Call(WatchedCall):
         # The setup and the call right after the fork: a rank loads while the next one is born.
         # Ahead of the call, the modules it must import first that its template does not hold.
         calls: dict[Optional[frozenset], bytes] = {}
+        host = _store_host(self.nprocs, self.caller_rank)
         for r, handle in self.ranks.items():
             rank_env = dict(base, **layout.env_of(r))
             setup = pickle.dumps(dict(common, rank=r, env=rank_env))
@@ -217,11 +222,14 @@ class Call(WatchedCall):
             call = calls.get(held)
             if call is None:
                 call = calls[held] = pack(CALL, _REQUEST, packed.body(held))
+            # The store's host gets the socket its port is bound to: the port stays ours till it listens.
+            store = [layout.store_socket.fileno()] if r == host and layout.store_socket is not None else []
             try:
-                framing.send(handle.channel, setup)
+                framing.send(handle.channel, setup, store)
                 framing.send(handle.channel, call, packed.fds)
             except OSError:
                 pass  # it died at birth; the watch reports how
+        layout.let_go_of_store()
 
     def _time_left(self) -> Optional[float]:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
@@ -263,6 +271,7 @@ class Call(WatchedCall):
             if signum == signal.SIGINT and self.outcome.root is None and not self.own.ignores_user_sigint:
                 # The user interrupted: stop every rank so the main thread can return.
                 self.outcome.stopped_by_user()
+                self._quiet_echoes()
                 self.engine.kill_all()
 
     def _on_ready(self, handle: _Rank, req: int, body: Any, fds: list) -> None:
@@ -310,9 +319,17 @@ class Call(WatchedCall):
             self.outcome.fail(handle.death_error(noticed))
 
     def _stop_everything(self) -> None:
-        """The call has failed: kill every rank, stop the caller's own."""
+        """The call has failed: kill every rank (the store's host with them: a caller blocked in
+        the rendezvous is freed), stop the caller's own."""
+        self._quiet_echoes()
         self.engine.kill_all()
         self.own.abort()
+
+    def _quiet_echoes(self) -> None:
+        """The call fails: torch's C++ warnings in this process from here on are echoes of it (a
+        store client whose host was killed prints a C++ stack), not news. Until the call ends."""
+        if self.caller_rank is not None and self.unquiet is None:
+            self.unquiet = compat.quiet_cpp_warnings()
 
     def _drain(self) -> None:
         """After the ranks ran (or were stopped): read the answers already sent. An error a
@@ -382,25 +399,35 @@ class Call(WatchedCall):
                 pass
             self.own.interrupt()  # the caller's rank runs on our thread
 
-    # -- ending --------------------------------------------------------------------------
 
-    def _stop_all(self) -> None:
-        """Finished ranks get a moment to exit on their own; everything else is killed now."""
-        failed = self.outcome.over
-        deadline = time.monotonic() + (0 if failed else _EXIT_GRACE)
-        for handle in self.ranks.values():
-            if failed or not handle.done:
+
+def _stop_ranks(ranks: list[_Rank], failed: bool, store_host: Optional[int]) -> None:
+    """The call's end: finished ranks get a moment to exit on their own; everything else is killed
+    now (the store's host too: it waits to be told the call is over, its store may still be in use)."""
+    deadline = time.monotonic() + (0 if failed else _EXIT_GRACE)
+    for handle in ranks:
+        if failed or not handle.done or handle.rank == store_host:
+            handle.process.kill()
+        else:
+            remaining = max(0.0, deadline - time.monotonic())
+            if handle.process.exit_code(remaining) is None:
                 handle.process.kill()
-            else:
-                remaining = max(0.0, deadline - time.monotonic())
-                if handle.process.exit_code(remaining) is None:
-                    handle.process.kill()
+
+
+def _store_host(nprocs: int, caller_rank: Optional[int]) -> Optional[int]:
+    """The rank that hosts the call's rendezvous store: a spawned one, never the caller (killing
+    the ranks then frees a caller blocked in the rendezvous: torchdist/rendezvous.py); None
+    when the caller is the only rank."""
+    return next((r for r in range(nprocs) if r != caller_rank), None)
 
 
 def _world_env(layout: placement.Layout, nprocs: int, caller_rank: Optional[int]) -> dict:
-    """The variables every rank gets alike; layout.env_of(rank) adds each one's own."""
-    store_rank = next((r for r in range(nprocs) if r != caller_rank), 0)
-    # The rendezvous store lives in a spawned rank: killing the ranks then
-    # frees a caller blocked in the rendezvous (see ddp.py). Groups record their collectives in
-    # a small ring, for the collective watch (torchdist/waits.py).
-    return dict(layout.world_env(nprocs), MPIFY_NB_STORE_RANK=str(store_rank), **waits.recorder_env())
+    """The variables every rank gets alike; layout.env_of(rank) adds each one's own. Groups
+    record their collectives in a small ring, for the collective watch (torchdist/waits.py)."""
+    host = _store_host(nprocs, caller_rank)
+    port = layout.master_port if host is not None and nprocs > 1 else 0  # 0: a world of one, in-process
+    env = dict(layout.world_env(nprocs), **waits.recorder_env())
+    env[rendezvous.VARIABLE] = rendezvous.spec(layout.master_addr, port, nprocs, uuid.uuid4().hex[:12])
+    if host is not None:
+        env[rendezvous.HOST_VARIABLE] = str(host)
+    return env

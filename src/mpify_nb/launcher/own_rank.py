@@ -24,7 +24,7 @@ from types import FrameType
 from typing import Any, Callable, Optional
 
 from ..engine import background, interrupts
-from ..torchdist import compat, groups, libraries
+from ..torchdist import compat, groups, libraries, rendezvous
 from .stopping import SafeStop, set_async_exception
 
 
@@ -115,14 +115,18 @@ class OwnRank:
     @contextlib.contextmanager
     def running(self, env: dict, wake_fd: int) -> Iterator[None]:
         """This thread plays the rank (``env`` its variables): SIGINT is routed through us,
-        the loop learns of it at once through ``wake_fd``."""
+        the loop learns of it at once through ``wake_fd``. The function's own init_process_group
+        is a client of the call's store, and every group it makes is held against a deadlock in
+        torch (torchdist/rendezvous.py, torchdist/groups.py: keep_groups)."""
         os.environ.update(env)
         libraries.apply_thread_env(env)  # a torchrun rank starts with these threads
         restore_signals = self._take_sigint(wake_fd) if self.on_main_thread else None
         restore_hook = self.stop.watch_unraisable()
+        rendezvous.activate()
         try:
             yield
         finally:
+            rendezvous.deactivate()
             restore_hook()
             if restore_signals is not None:
                 restore_signals()
@@ -206,6 +210,7 @@ class CallerState:
         self.cuda_device: Optional[int] = None
         self.dist_was_up = False
         self.group_count: Optional[int] = None
+        self.groups_made = 0  # groups.made when the call began
         self.libraries: Optional[libraries.LibraryState] = None
 
     @classmethod
@@ -229,20 +234,24 @@ class CallerState:
                 self.dist_was_up = torch.distributed.is_available() and torch.distributed.is_initialized()
             except Exception:
                 pass
-        self.group_count = groups.group_count() if torch is not None else None
+        # torch not imported yet: the function may import it and fail in a rendezvous; the count
+        # it leaves must still go back (a fresh process's is 0), or the next group's keys differ.
+        self.group_count = groups.group_count() if torch is not None else 0
+        self.groups_made = groups.made
         self.libraries = libraries.LibraryState.snapshot()
         return self
 
     def disarm_ended_ddp(self, values: list) -> None:
         """A DDP or FSDP model, DTensor or DeviceMesh made on the group this call ended, left in the
         notebook (a %%ranch --ddp cell's variable, or the caller's return value), must say so when
-        used (see torchdist/groups.py)."""
+        used (see torchdist/groups.py). Before :meth:`restore`: a group the function left up ends
+        there, and a model lets go of its group while the group is still kept (groups.py)."""
         if self.environ is None or self.dist_was_up:
-            return
+            return  # a group the notebook had before the call stays up: its models still work
         torch = sys.modules.get("torch")
         try:
-            if torch is None or torch.distributed.is_initialized():
-                return  # the function left a group up: its models still work
+            if torch is None:
+                return
             main = sys.modules.get("__main__")
             groups.disarm_ended_ddp([values, *(vars(main).values() if main is not None else ())])
         except Exception:
@@ -260,13 +269,19 @@ class CallerState:
         if torch is not None:
             try:
                 dist = torch.distributed
-                if not self.dist_was_up and dist.is_available():
-                    if dist.is_initialized():
-                        compat.destroy_process_group()  # the function left its group up
-                    if self.group_count is not None:
-                        groups.set_group_count(self.group_count)  # e.g. after a failed rendezvous
+                if not self.dist_was_up and dist.is_available() and dist.is_initialized():
+                    compat.destroy_process_group()  # the function left its group up
             except Exception:
-                pass
+                pass  # a group whose peers are gone may fail to say goodbye
+            if not self.dist_was_up:
+                # Even when the destroy failed (a peer gone): torch names the next group's keys by it.
+                groups.set_group_count(self.group_count)
+            if groups.made != self.groups_made:  # the call made groups (a scan costs ms: only then)
+                try:
+                    groups.forget_ended_groups()  # those torch keeps alive: their sockets close
+                    groups.release_ended_groups()  # ours, held against a deadlock in torch (groups.py)
+                except Exception:
+                    pass  # only sockets are left open
             if self.cuda_device is not None:
                 try:
                     torch.cuda.set_device(self.cuda_device)

@@ -30,6 +30,7 @@ def ranch(
     imports: str = "",
     timeout: Optional[float] = None,
     wait: bool = True,
+    pass_rank: bool = False,
     **kwargs: Any,
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` ranks and return the results.
@@ -55,9 +56,14 @@ def ranch(
             background, the caller's rank on a thread of this process; its ``result()`` is
             what the call returns. Its output goes to the cell that started it; the
             notebook stays free meanwhile (the Background work guide).
+        pass_rank: call ``fn(rank, *args, **kwargs)``, the rank first, as ``mp.spawn`` calls
+            ``fn(i, *args)``: a function written for ``mp.spawn`` runs as it is.
 
     In every rank ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
-    ``MASTER_ADDR`` and ``MASTER_PORT`` (a free port, new for each call) are set.
+    ``MASTER_ADDR`` and ``MASTER_PORT`` (a free port, new for each call) are set. A function that
+    makes its own group (``init_process_group``, env:// or tcp://, on any ``MASTER_PORT`` it sets)
+    meets the other ranks at the call's own store, which lives in a spawned rank: a rank that
+    fails before, during or after that rendezvous ends the call at once (docs: Bring your script).
 
     Raises:
         RankError: a rank raised (``RankRaisedError``, with its traceback) or died
@@ -85,6 +91,8 @@ def ranch(
     ```
     """
     check_arguments(nprocs, fn, caller_rank, ctx, timeout)
+    if pass_rank:
+        fn = payload.RankFirst(fn)
     check_working_directory()
     check_capacity(nprocs - (caller_rank is not None))
     prepare = getattr(ctx, "_mpify_prepare", None)

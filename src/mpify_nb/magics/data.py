@@ -99,7 +99,17 @@ def data_magics_class() -> type:
                 %sync
             """
             s = self.state.require("sync")
+            groups = self.state.call(lambda: s.apply(on_ranks.group_state, timeout=self.state.timeout))
+            ranks = rank_list(range(s.world_size))  # every rank is idle now
+            without = [r for r, g in sorted(groups.items()) if g == "none"]
+            if without:  # a barrier would wait for ranks that cannot join one: say so instead
+                restart = "; %dist_restart brings the Session's group back" if s.ddp else ""
+                who = "they have" if len(without) == len(groups) else \
+                    f"{rank_list(without)} {'has' if len(without) == 1 else 'have'}"
+                print(f"ranks {ranks} idle, not synchronized: {who} no process group{restart}")
+                return
             self.state.call(lambda: s.apply(on_ranks.sync, timeout=self.state.timeout))
-            print(f"ranks {rank_list(range(s.world_size))} in sync")
+            own = " (a barrier on the group a cell made)" if set(groups.values()) == {"own"} else ""
+            print(f"ranks {ranks} in sync{own}")
 
     return DataMagics

@@ -61,7 +61,7 @@ def lifecycle_magics_class() -> type:
 
         @magic_arguments()
         @kwds(usage=_INIT_USAGE[1:])
-        @argument("-n", "--num-processes", type=int, default=2, metavar="N",
+        @argument("-n", "--num-processes", "--num-ranks", type=int, default=2, metavar="N",
                   help="number of ranks (processes 0..N-1; the kernel is not a rank). Default 2")
         @argument("-g", "--gpu-ids", metavar="IDS",
                   help="GPU ids by rank, e.g. 3,1: rank 0 on GPU 3, rank 1 on GPU 1 "
@@ -153,13 +153,16 @@ def lifecycle_magics_class() -> type:
         @line_magic
         def dist_shutdown(self, line: str) -> None:
             """Stop every rank; they are gone when this returns. Automatic mode goes off.
+            ``--force`` (``-f``, nbdistributed's) is accepted and means the same: every rank is
+            ended, by its pid, whatever it was doing.
 
             Example::
 
                 %dist_shutdown
             """
-            if line.strip():
-                raise usage("dist_shutdown", "takes no arguments")
+            if line.split() not in ([], ["--force"], ["-f"]):
+                raise usage("dist_shutdown", f"takes no arguments (or --force, the same), not {line.strip()!r}",
+                            "%dist_shutdown [--force]")
             if self.state.session is None or self.state.session.closed:
                 print("No ranks are running.")
                 self.state.router.automatic = False
@@ -207,7 +210,8 @@ def lifecycle_magics_class() -> type:
         @line_magic
         def dist_restart(self, line: str) -> None:
             """Replace dead ranks (or the ranks named) with fresh ones and rebuild the group;
-            the other ranks keep their state.
+            the other ranks keep their state. With no rank dead, the Session's group comes back
+            where a cell destroyed it (or made its own instead).
 
             Example::
 
@@ -221,7 +225,7 @@ def lifecycle_magics_class() -> type:
                     ranks = parse_ranks(",".join(line.replace(",", " ").split()), s.world_size)
                 except ValueError as e:
                     raise usage("dist_restart", str(e), "%dist_restart [k ...]") from None
-            before = {r.rank: r.state for r in s.status()}
+            before = {r.rank: (r.state, r.group) for r in s.status()}
             try:
                 s.restart(ranks)
             except RanksBusyError as e:
@@ -232,9 +236,13 @@ def lifecycle_magics_class() -> type:
                                  "(%dist_status shows the ranks)"])
                 raise
             rows = s.status()
-            changed = ranks if ranks is not None else [r for r, state in before.items() if state == "dead"]
+            changed = ranks if ranks is not None else [r for r, (state, _) in before.items() if state == "dead"]
             if not changed:
-                print("No rank was dead: nothing restarted.")
+                if s.ddp and any(group != "session" for _, group in before.values()):
+                    print("No rank was dead: the Session's process group is rebuilt on every rank "
+                          "(a cell had destroyed it, or made its own); their state is kept.")
+                else:
+                    print("No rank was dead: nothing restarted.")
                 return
             print("Restarted " + ", ".join(f"rank {r.rank} (pid {r.pid})" for r in rows if r.rank in changed)
                   + "; the group is rebuilt, the other ranks kept their state.")
@@ -247,12 +255,23 @@ def lifecycle_magics_class() -> type:
             """pdb post mortem on a rank: the frames and locals of the last error a cell raised
             there. Commands are typed into the frontend's input prompt, ``[rank k] (Pdb)``.
 
+            Not nbdistributed's ``%dist_debug``, which printed its workers' state: that is
+            ``%dist_status`` here. With no error to debug, this says so and shows that state.
+
             Example::
 
                 %dist_debug            # the rank that caused the last failed cell
                 %dist_debug --rank 0
             """
-            self._post_mortem(parse_argstring(self.dist_debug, line).rank)
+            rank = parse_argstring(self.dist_debug, line).rank
+            s = self.state.session
+            if rank is None and (s is None or s.closed or s.last_error is None):
+                print("%dist_debug debugs the last error a cell raised on a rank (pdb post mortem), and no "
+                      "cell has failed on the ranks. (nbdistributed's %dist_debug showed the workers' state: "
+                      "%dist_status, below.)")
+                self.dist_status("")
+                return
+            self._post_mortem(rank)
 
         def _post_mortem(self, rank: Optional[int]) -> None:
             s = self.state.require("dist_debug")

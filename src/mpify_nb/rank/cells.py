@@ -148,6 +148,13 @@ def _display_as_text(*objs: Any, **kwargs: Any) -> None:
         print(repr(obj))
 
 
+def group_state() -> str:
+    """%sync on a rank, first: which default group it has, "session", "own" (a cell's) or "none"."""
+    from . import own_group
+
+    return own_group.state()
+
+
 def sync() -> None:
     """%sync on a rank: CUDA work finished, then a barrier on the group."""
     import torch

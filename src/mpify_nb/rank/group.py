@@ -13,7 +13,7 @@ import os
 import socket
 from typing import Optional
 
-from ..torchdist import compat, groups, waits
+from ..torchdist import compat, groups, rendezvous, waits
 from . import checks
 
 #: Seconds a rank waits in the rendezvous for its peers (a peer that died meanwhile).
@@ -38,23 +38,29 @@ def start(namespace: dict, rank: int, session: dict, listen_fd: Optional[int]) -
     checks.starting()  # a spawned rank imported torch.distributed just now
     namespace.update(rank=rank, world_size=session["world_size"], device=device, dist=dist, torch=torch)
     backend = session.get("backend") or ("nccl" if gpu is not None else "gloo")
-    _group.update(rank=rank, world_size=session["world_size"], backend=backend)
-    if session["ddp"]:
-        init_group(session["rendezvous"], listen_fd)
+    _group.update(rank=rank, world_size=session["world_size"], backend=backend, ddp=session["ddp"])
+    init_group(session["rendezvous"], listen_fd)
     return {"pid": os.getpid(), "device": str(device), "backend": backend}
 
 
-def init_group(rendezvous: tuple[str, int, bool], listen_fd: Optional[int]) -> None:
-    """Join a new default process group at ``rendezvous`` (address, port, whether this rank
-    hosts the store). On one machine the store's rank got the listening socket from the
-    caller; on a Ray node it binds one on its node's address. Either way it listens before
-    it tells anyone the port, so no rank has to retry."""
+def init_group(where: tuple[str, int, bool], listen_fd: Optional[int]) -> None:
+    """Join a new default process group at ``where`` (address, port, whether this rank hosts
+    the store), the Session's store; without ddp, only learn where that store is. On one
+    machine the store's rank got its socket from the caller (listening with ddp; without, bound
+    only: it listens at a cell's first ``init_process_group``); on a Ray node it binds one on its
+    node's address. A cell's own ``init_process_group`` meets the others there too (its keys
+    apart: torchdist/rendezvous.py), so the store outlives the group a cell destroys."""
     import torch.distributed as dist
     from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
-    addr, port, hosts_store = rendezvous
+    addr, port, hosts_store = where
     rank, world = _group["rank"], _group["world_size"]
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
+    value = rendezvous.spec(addr, port, world, "session")
+    if not _group["ddp"]:
+        sock = socket.socket(fileno=listen_fd) if listen_fd is not None and hosts_store else None
+        rendezvous.point_at(value, hosts_store, host_socket=sock)
+        return
     timeout = datetime.timedelta(seconds=_RENDEZVOUS_TIMEOUT)
     if hosts_store:
         if listen_fd is None:
@@ -63,13 +69,17 @@ def init_group(rendezvous: tuple[str, int, bool], listen_fd: Optional[int]) -> N
                          master_listen_fd=listen_fd, **compat.listen_fd_store_options())
     else:
         store = TCPStore(addr, port, world, is_master=False, timeout=timeout)
+    rendezvous.point_at(value, hosts_store, store=store if hosts_store else None)
     waits.enable_recorder()  # the caller's watch reads what the group records (torchdist/waits.py)
+    if not dist.is_initialized():
+        groups.set_group_count(0)  # a cell's failed rendezvous counted one: the peers' keys would differ
     with compat.quiet_gloo_banner():
         dist.init_process_group(backend=_group["backend"], rank=rank, world_size=world, store=store)
+    _group["pg"] = dist.group.WORLD  # the Session's own: a cell's init_process_group replaces it
 
 
 def cut_connections(peers: list[tuple[int, str]]) -> None:
-    """Shut down this rank's TCP connections to its peer ranks (gloo's pairs, the store's).
+    """Shut down this rank's TCP connections to its peer ranks (gloo's pairs, the stores').
 
     Destroying a group is not enough to unstick a collective: its connections close only
     when the last reference to it goes, and the user's namespace may hold one (a subgroup
@@ -94,12 +104,16 @@ def cut_connections(peers: list[tuple[int, str]]) -> None:
         # connection then counts as one to a peer on this machine.
         peer_ends |= {ends[1] for ends in table.values() if _is_loopback(ends[1])}
     peer_ends |= {ends[1] for ends in table.values() if ends[1].split(":")[0] in elsewhere}
-    # The store's connections stay: cut, torch prints a C++ stack for each; the group's
-    # destruction ends them anyway.
-    store = f":{int(os.environ.get('MASTER_PORT', '0') or 0):04X}"
+    # The store this rank hosts itself is no peer's: its own client of it (a rendezvous of a cell
+    # waiting for a peer that never came) is cut as well.
+    store = rendezvous.store_endpoint()
+    if store is not None:
+        peer_ends |= _proc_endpoints(*store)
+    # The store's connections go too: a cell's init_process_group blocked in the store (a peer
+    # that never came) raises at once. (torch prints a C++ stack for each: the caller quiets them.)
     for inode, fd in (mine or {}).items():
         ends = table.get(inode)
-        if ends is None or ends[1] not in peer_ends or ends[0].endswith(store) or ends[1].endswith(store):
+        if ends is None or ends[1] not in peer_ends:
             continue
         try:
             sock = socket.socket(fileno=os.dup(fd))
@@ -121,6 +135,13 @@ def _on_this_machine(address: str) -> bool:
         return True
     except OSError:
         return False
+
+
+def _proc_endpoints(address: str, port: int) -> set[str]:
+    """An IPv4 endpoint as /proc/net/tcp writes it (``0100007F:1F90``), and as tcp6 writes it
+    mapped (``0000000000000000FFFF00000100007F:1F90``: torch's store client connects so)."""
+    v4 = _proc_address(address)
+    return {f"{v4}:{port:04X}", f"0000000000000000FFFF0000{v4}:{port:04X}"}
 
 
 def _proc_address(address: str) -> str:

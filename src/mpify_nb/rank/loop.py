@@ -11,7 +11,8 @@ after it::
     caller                                   rank
       | -- setup (rank, env, cwd, sys.path) -->|  apply them, fresh __main__
       | -- CALL (fn, args, ctx; memfds) ------>|  unpickle; run imports=
-      |                                        |  ctx._mpify_rank_setup() (e.g. open the TCPStore)
+      |                                        |  ctx._mpify_rank_setup(); every rendezvous
+      |                                        |  to the call's store (torchdist/rendezvous.py)
       |<------------------------------ READY --|
       | -- GO (once every rank is READY) ----->|  so no rank enters a rendezvous that a
       |                                        |  rank which failed to load would never join
@@ -20,7 +21,8 @@ after it::
       |<------------- RETURNED (its Snapshot) -|  (with a group: before ctx.__exit__ tears it down)
       |<--------------- DONE (pickle; memfds) -|  or
       |<--------- FAIL (RemoteFailure, ...) ---|
-      |                                        |  flush, os._exit(0)
+      |                                        |  flush, os._exit(0) (the store's host, once
+      |                                        |  it opened the store: when the caller ends it)
 
 A Session's rank (its setup says ``session``) starts its group and gets the requests of
 rank/session.py instead, for as long as the caller keeps it. Either way, if the caller goes
@@ -36,10 +38,11 @@ import os
 import pickle
 import socket
 import sys
+import threading
 import types
 from typing import Any, NoReturn, Optional
 
-from ..torchdist import p2p, waits
+from ..torchdist import p2p, rendezvous, waits
 from ..wire import framing, payload
 from ..wire.errors import RemoteFailure, safe_str
 from ..wire.protocol import CALL, DONE, FAIL, IMPORTED, NO_REQUEST, READY, RETURNED, pack, unpack
@@ -87,7 +90,9 @@ def main(channel_fd: int, expected_parent: int) -> None:
         requests = session.start(channel, config, setup[1], state)
     else:
         windows = config.get("windows")  # of the call's memfds in a Ray node's object store file
-        requests = {CALL: lambda channel, state, req, body, fds: _one_call(channel, state, req, body, fds, windows)}
+        store = socket.socket(fileno=setup[1][0]) if setup[1] else None  # we host the call's store
+        requests = {CALL: lambda channel, state, req, body, fds: _one_call(channel, state, req, body, fds,
+                                                                           windows, store)}
     serve(channel, state, requests)
 
 
@@ -115,9 +120,14 @@ def serve(channel: socket.socket, state: RankState, requests: dict[bytes, contro
         session.free_replaced()
 
 
-def _one_call(channel: socket.socket, state: RankState, req: int, body: Any, fds: list, windows: Any) -> NoReturn:
-    """A ranch call: load it, READY, wait for GO, run it, answer, exit."""
+def _one_call(channel: socket.socket, state: RankState, req: int, body: Any, fds: list, windows: Any,
+              store: Optional[socket.socket] = None) -> NoReturn:
+    """A ranch call: load it, READY, wait for GO, run it, answer, exit (the host of the call's
+    store once the caller says the call is over: the others may still use it)."""
     rank = os.environ.get("RANK", "?")
+    # Every init_process_group of the call goes to its store (torchdist/rendezvous.py); every group
+    # made is held against a deadlock in torch (torchdist/groups.py: keep_groups).
+    rendezvous.activate(host=os.environ.get(rendezvous.HOST_VARIABLE) == rank, host_socket=store)
     try:
         fn, args, kwargs, ctx, needed, imports = payload.unpack_call(body, fds, windows=windows)
         main_dict = sys.modules["__main__"].__dict__
@@ -132,8 +142,10 @@ def _one_call(channel: socket.socket, state: RankState, req: int, body: Any, fds
     except BaseException as e:
         _send_failure(channel, req, e, f"rank {rank} could not load the call")
         process.end(0)
-    p2p.install()  # isend/irecv note their peers for the caller's looks (torch already imported)
-    checks.starting()  # a spawned rank: torch.distributed came with the call
+    checks.starting()  # on or off as the caller says (a template's rank: installed already)
+    # isend/irecv note their peers for the caller's looks; a spawned rank's check installed now,
+    # or once the function imports torch.distributed (before its first group)
+    rendezvous.when_imported(lambda: (p2p.install(), checks.starting()))
     control.send(channel, pack(READY, req))
     if framing.recv(channel) is None:  # no GO: the caller gave up (another rank failed to load)
         process.end(0)
@@ -166,6 +178,8 @@ def _one_call(channel: socket.socket, state: RankState, req: int, body: Any, fds
     process.flush_stdio()  # everything printed reaches the caller before the value does
     _report_imports(channel, req)
     control.send(channel, pack(DONE, req, data), out_fds)
+    if rendezvous.hosting():
+        threading.Event().wait()  # the caller ends us (or our control thread, when it goes)
     process.end(0)
 
 

@@ -41,8 +41,9 @@ import socket
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, Optional
 
+from ..torchdist import compat, rendezvous
 from ..wire import payload
 from ..wire.errors import PayloadError, RemoteFailure, safe_str
 from ..wire.protocol import (
@@ -67,7 +68,7 @@ from ..wire.protocol import (
     RUN,
     pack,
 )
-from . import checks, comms, group, process
+from . import checks, comms, group, own_group, process
 from . import control as rank_control
 from . import debugger as rank_debugger
 from . import display as rank_display
@@ -90,23 +91,42 @@ def start(channel: socket.socket, config: dict, fds: list[int], state: RankState
     namespace["display"] = rank_display.display
     if session.get("comms"):  # widgets: comms to the caller's kernel, from any thread (engine/comms.py)
         comms.install(lambda frame: _send_display(channel, state, frame, COMM_OUT))
+    # A cell's own init_process_group meets the others at the Session's store, its rendezvous
+    # counted per cell (torchdist/rendezvous.py), in place of the Session's group (own_group.py).
+    rendezvous.activate(scope=lambda: str(state.request))
+    # Each init_process_group wraps sys.excepthook in a "[rankN]: " one: unwrapped after the
+    # Session's group and after every request, or a cell's own groups stack them (a hook the
+    # user sets stays).
+    excepthook = sys.excepthook
     try:
         ready = group.start(namespace, config["rank"], session, listen_fd)
+        own_group.install()
         reply = pack(READY, NO_REQUEST, pickle.dumps(ready))
     except BaseException as e:
         reply = pack(FAIL, NO_REQUEST, pickle.dumps((_capture(e), False, {})))
+    sys.excepthook = compat.without_rank_excepthooks(sys.excepthook, excepthook)
     rank_control.send(channel, reply)
     if not ready:
         process.end(1)
 
     def handler(kind: bytes) -> rank_control.Request:
-        return lambda channel, state, req_id, body, fds: _handle(kind, req_id, body, fds, namespace, state)
+        def handle(channel, state, req_id, body, fds) -> tuple[bytes, list[int]]:
+            before = sys.excepthook
+            try:
+                return _handle(kind, req_id, body, fds, namespace, state)
+            finally:
+                sys.excepthook = compat.without_rank_excepthooks(sys.excepthook, before)
+        return handle
 
     return {kind: handler(kind) for kind in (RUN, APPLY, PUSH, PULL, MISSING, GROUP, COMM, CHECKS)}
 
 
 def _abort_group(state: RankState, control: socket.socket, req_id: int, body: Any) -> None:
     checks.abort()  # a rank waiting in its collective check raises too
+    global _unquiet
+    if _unquiet is None:  # each cut store connection prints a C++ stack: echoes of the abort
+        _unquiet = compat.quiet_cpp_warnings()
+    rendezvous.abort()  # a cell's rendezvous waiting for the store to open (its host never came)
     group.cut_connections(pickle.loads(body))
     group.destroy_group(abort=True)
     rank_control.send(control, pack(ABORTED, req_id))  # the caller rebuilds only after every ack
@@ -162,8 +182,16 @@ def free_replaced() -> None:
 
 # -- requests ----------------------------------------------------------------------------
 
+#: Puts torch's C++ warnings back after an abort quieted them (at the end of the request it hit).
+_unquiet: Optional[Callable[[], None]] = None
+
+
 def _handle(kind: bytes, req_id: int, body, fds: list[int], namespace: dict,
             state: RankState) -> tuple[bytes, list[int]]:
+    global _unquiet
+    if _unquiet is not None:
+        _unquiet, unquiet = None, _unquiet
+        unquiet()
     rank_debugger.arm()  # the frontend's breakpoints stop here while its debugger is on
     issued, started_ns = (checks.collectives_so_far(), time.time_ns()) if kind in (RUN, APPLY) else (0, 0)
     try:
@@ -206,7 +234,7 @@ def _handle(kind: bytes, req_id: int, body, fds: list[int], namespace: dict,
         returned = checks.returned_after(issued, started_ns, state.rank) if kind in (RUN, APPLY) else None
         if returned is not None:
             meta["returned"] = returned  # the caller compares the ranks' (a wrong value every rank returned)
-        if value is None and meta["gpu_memory"] is None and returned is None:
+        if value is None and meta["gpu_memory"] is None and returned is None and meta["group"] == own_group.usual():
             payload.close_fds(fds)
             return pack(DONE, req_id), []  # the common case, without pickling anything
         # Pickling runs the value's own code (__reduce__, __getstate__), which may block: it is
@@ -222,6 +250,7 @@ def _handle(kind: bytes, req_id: int, body, fds: list[int], namespace: dict,
             data, out_fds = payload.pack_result((RemoteRepr(_safe_repr(value)), meta))
     except BaseException as e:
         payload.close_fds(fds)
+        own_group.explain(e)  # torch's "not initialized" after a cell destroyed the group: what to do
         interrupted = isinstance(e, KeyboardInterrupt)
         # Captured first: once sys.last_value holds it, it would travel as a reference to that name
         # (what a module holds is the rank's own), and the caller's __cause__ would be lost.
@@ -305,5 +334,5 @@ def _meta() -> dict:
             gpu = int(torch.cuda.memory_allocated())
     except Exception:
         pass
-    return {"gpu_memory": gpu}
+    return {"gpu_memory": gpu, "group": own_group.state()}
 

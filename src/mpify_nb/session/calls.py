@@ -192,7 +192,7 @@ class SessionCalls(SessionRecovery):
                 if self._where_asked.is_set():
                     self._answer_where()
                 looks = watch.tick()
-                if watch.verdict is not None and self.ddp:
+                if watch.verdict is not None:  # the Session's group, or one a cell made
                     self._collective_failed(members, req, watch.verdict)
                 if looks is not None:
                     wait = looks if wait is None else min(wait, looks)
@@ -255,9 +255,11 @@ class SessionCalls(SessionRecovery):
                     m.gpu_memory = meta.get("gpu_memory")
                     if meta.get("returned") is not None:
                         returned[m.rank] = meta["returned"]
+                    m.group = meta.get("group")
                     values[m.rank] = value
                 else:
                     values[m.rank] = None
+                    m.group = None  # the usual group (rank/own_group.py)
             else:
                 errors.append(failure_of(m, body, fds))
         if errors:

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 from ..engine import comms, core, interrupts, members
 from ..relay.pipes import OutputRelay
 from ..start import placement
+from ..torchdist import rendezvous
 from ..torchdist.groups import listen_on
 from ..wire import framing, payload
 from ..wire.errors import RankError, RankExitedError, RemoteFailure, merge_rank_errors
@@ -54,6 +55,9 @@ class Member(members.Member):
         self.start_failure: Optional[RemoteFailure] = None
         self.control_theirs: Optional[socket.socket] = None  # the rank's end, until sent
         self.died_during = NO_REQUEST  # the call running when it died
+        #: its default process group, when not the usual (the Session's with ddp, none without):
+        #: "own" (a cell made its own), "none" (a cell destroyed it), "session"
+        self.group: Optional[str] = None
 
     @property
     def alive(self) -> bool:
@@ -90,7 +94,7 @@ class SessionRanks:
         # rank (session/calls.py)
         self._comms = comms.CommBridge(lambda rank, frame: self._comm_to_rank(rank, frame))
         self._placer: Optional[placement.Placer] = None
-        self._layout = placement.Layout.on_this_machine(n)
+        self._layout = placement.Layout.on_this_machine(n, reserve_store=False)
         self._base_env: dict[str, str] = {}
 
     # -- starting ranks ----------------------------------------------------------------
@@ -114,13 +118,16 @@ class SessionRanks:
         host = min([m.rank for m in live_old] + ranks)  # the rank that hosts the store
         placer = self._placer
         assert placer is not None
-        # The store lives in the host rank, on its node's address (127.0.0.1 on this machine).
-        listener = None
-        if self.ddp and self._local:  # bound here, handed to the host: no rank has to retry
-            listener = listen_on(self._layout.nodes[host], 0, self.world_size * 2)
+        # The store lives in the host rank, on its node's address (127.0.0.1 on this machine); a
+        # cell's own init_process_group meets the others there too (torchdist/rendezvous.py).
+        listener: Optional[socket.socket] = None
+        if self._local:  # bound here, handed to the host: no one can take the port meanwhile
+            address = self._layout.nodes[host]
+            # With ddp it listens now, for the group; without, at a cell's first init_process_group.
+            listener = listen_on(address, 0, self.world_size * 2) if self.ddp else rendezvous.reserve(address)
             port = listener.getsockname()[1]
         else:  # on a Ray node the host binds it itself
-            port = placer.store_port() if self.ddp else 0
+            port = placer.store_port()
         new: list[Member] = []
         try:
             common = {"cwd": os.getcwd(), "sys_path": list(sys.path), "argv": list(sys.argv)}
@@ -140,11 +147,11 @@ class SessionRanks:
                 m.control_theirs.close()
                 m.control_theirs = None
             req = next(self._ids)
-            for m in live_old:
-                if self.ddp:
-                    body = pickle.dumps((self._layout.nodes[host], port, m.rank == host))
-                    self._send_request(m, GROUP, req, body,
-                                       [listener.fileno()] if listener and m.rank == host else [], None)
+            for m in live_old:  # the new group (with ddp) and, either way, where the store is now
+                body = pickle.dumps((self._layout.nodes[host], port, m.rank == host))
+                self._send_request(m, GROUP, req, body, [listener.fileno()] if listener and m.rank == host else [],
+                                   None)
+                m.group = None
         except BaseException:
             for m in new:  # a rank that could not be started: a dead member, never a missing one
                 self._bury(m)
@@ -312,5 +319,6 @@ def failure_of(m: Member, body: Any = None, fds: Optional[list[int]] = None) -> 
     failure, _interrupted, meta = pickle.loads(body)
     if meta:
         m.gpu_memory = meta.get("gpu_memory")
+        m.group = meta.get("group", m.group)
     return failure.to_error(m.rank, payload.loads)
 

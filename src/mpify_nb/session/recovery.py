@@ -109,7 +109,7 @@ class SessionRecovery(SessionRanks):
                     break  # they ignore interrupts: leave them running, their answer is dropped
                 # Blocked in a collective (seen on its stack), or in C++ that ignores SIGINT for
                 # longer (a DDP backward waiting on its all_reduce): cut the group under it.
-                if self.ddp and not aborted and (
+                if not aborted and (
                         (now - start > _ABORT_AFTER and any(self._waits_in_dist(m) for m in running))
                         or now - start > _ABORT_ANYWAY):
                     self._abort_group()

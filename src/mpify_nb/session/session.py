@@ -290,8 +290,10 @@ class Session(SessionBackground):
             m = self._members[r]
             state = "dead" if not m.alive else "running" if m.req != NO_REQUEST else "idle"
             rss = _rss(m.pid) if state != "dead" and m.process.shares_clock else None  # its /proc is ours
+            group = m.group or ("session" if self.ddp else "none")
             rows.append(RankStatus(r, m.pid, state, m.device, rss, m.gpu_memory if state != "dead" else None,
-                                   m.last_cell, str(m.exit_error) if m.exit_error else "", self._layout.nodes[r]))
+                                   m.last_cell, str(m.exit_error) if m.exit_error else "", self._layout.nodes[r],
+                                   group if state != "dead" else "none"))
         return rows
 
     def where(self, timeout: float = 5.0) -> Where:
@@ -322,9 +324,10 @@ class Session(SessionBackground):
 
     def restart(self, ranks: Ranks = None) -> None:
         """Replace ``ranks`` (default: the dead ones) with fresh ranks forked from the template,
-        and rebuild the group; the other ranks keep their state.
+        and rebuild the group; the other ranks keep their state. With no rank dead, the Session's
+        group is rebuilt in place where a cell destroyed it or made its own instead.
 
-        >>> s.restart()        # after rank 1 was killed
+        >>> s.restart()        # after rank 1 was killed, or a cell's dist.destroy_process_group()
         >>> s.restart([0])     # a fresh rank 0, even though it was alive
         """
         self._refuse_if_busy()
@@ -334,6 +337,8 @@ class Session(SessionBackground):
             targets = [r for r, m in self._members.items() if not m.alive] if ranks is None \
                 else self._targets(ranks)
             if not targets:
+                if self.ddp and any(m.group not in (None, "session") for m in self._members.values()):
+                    self._start([])  # every rank joins a new group in place, its state kept
                 return
             self._raise_if_others_dead(targets)  # restart those too, or the group cannot form
             # Either done or not begun: the stop button only sets a flag while ranks are replaced

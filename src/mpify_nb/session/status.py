@@ -25,6 +25,8 @@ class RankStatus:
         last_cell: the first line of the last thing it ran.
         exit_detail: how it died ("" while it lives).
         node: the address of the host it runs on (a Ray node's, under Ray).
+        group: its default process group: ``"session"`` (the Session's own, made by ``ddp=True``),
+            ``"own"`` (one a cell made with ``init_process_group``), ``"none"``.
 
     Example (a notebook cell):
 
@@ -52,6 +54,7 @@ class RankStatus:
     last_cell: str
     exit_detail: str = ""
     node: str = "127.0.0.1"
+    group: str = "none"
 
 
 def _rss(pid: int) -> Optional[int]:

@@ -18,15 +18,18 @@ from .placer import Layout, RankProcess, free_port
 
 class _OnThisMachine:
     ships_environ = True
+    _layout: Optional[Layout] = None
 
     def reserve(self, nprocs: int, caller_rank: Optional[int], timeout: Optional[float]) -> Layout:
-        return Layout.on_this_machine(nprocs)
+        self._layout = Layout.on_this_machine(nprocs)
+        return self._layout
 
     def store_port(self) -> int:
         return free_port("127.0.0.1")
 
     def release(self) -> None:
-        pass
+        if self._layout is not None:
+            self._layout.let_go_of_store()
 
 
 class _Pidfd:

@@ -24,11 +24,27 @@ class Layout:
     master_addr: str
     master_port: int
     interfaces: dict[int, str] = field(default_factory=dict)  # rank -> NIC holding its node's address
+    #: the call's store's port, bound here and not listening (torchdist/rendezvous.py), handed to
+    #: the rank that hosts the store; None where that rank binds it (on a Ray node)
+    store_socket: Optional[socket.socket] = None
 
     @classmethod
-    def on_this_machine(cls, nprocs: int) -> Layout:
-        return cls({r: "127.0.0.1" for r in range(nprocs)}, "127.0.0.1", free_port("127.0.0.1"),
-                   {r: "lo" for r in range(nprocs)})  # all on one machine: gloo/NCCL on loopback
+    def on_this_machine(cls, nprocs: int, reserve_store: bool = True) -> Layout:
+        """Every rank on this machine (gloo/NCCL on loopback); with ``reserve_store``, the store's
+        port is bound now and held until the rank that hosts the store takes the socket: no one
+        can take it between (``free_port`` would close it before a rank binds it again)."""
+        from ..torchdist import rendezvous
+
+        sock = rendezvous.reserve("127.0.0.1") if reserve_store else None
+        port = sock.getsockname()[1] if sock is not None else 0
+        return cls({r: "127.0.0.1" for r in range(nprocs)}, "127.0.0.1", port,
+                   {r: "lo" for r in range(nprocs)}, sock)
+
+    def let_go_of_store(self) -> None:
+        """Close this process's copy of the store's socket (its host holds its own, or no one needs it)."""
+        if self.store_socket is not None:
+            self.store_socket.close()
+            self.store_socket = None
 
     def order(self) -> list[str]:
         """The call's nodes, in order of their lowest rank: GROUP_RANK is the index here."""

@@ -1,6 +1,8 @@
 """What mpify_nb knows of torch.distributed and the training libraries built on it.
 
-``groups`` (GPU ids, the store's listening socket, torch's group count), ``waits`` (a look at a
+``groups`` (GPU ids, the store's listening socket, torch's group count, the groups torch would
+destroy with the GIL held or keep alive for good), ``rendezvous`` (every ``init_process_group`` of
+a call, or of a Session's cell, goes to one store in a process we can stop), ``waits`` (a look at a
 rank: what it waits in, from torch's flight recorder and its stack, and where it is; ``stacks``:
 what a thread's stack says, the call it is blocked in and the user's line; ``hidden_waits``:
 the stack and CPU time standing in for gloo's recorder before torch 2.8), ``recorder`` (the

@@ -24,6 +24,10 @@ DeviceMesh ``_dim_group_names``        2.8         :func:`mesh_group_names_attri
                                                    (before: ``_dim_group_infos``)
 gloo's "[Gloo] Rank N is connected"    2.8-2.12    :func:`gloo_prints_banner`
   line on stdout
+init_process_group's "[rankN]: "       all         :func:`without_rank_excepthooks` (the caller's
+  sys.excepthook                                   rank, a persistent rank after each request)
+c10's log level, set while running     all         :func:`quiet_cpp_warnings` (``FLAGS_caffe2_log_level``
+                                                   in libc10; nothing where it is missing)
 =====================================  ==========  ==============================================
 
 torch is never imported here at module level: the caller may not have imported it yet.
@@ -36,7 +40,7 @@ import functools
 import os
 import re
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 #: The oldest torch mpify_nb supports (pyproject.toml: ``torch>=2.4``).
 FLOOR = (2, 4)
@@ -265,3 +269,46 @@ def quiet_gloo_banner():
 def drop_gloo_banner(data: bytes) -> bytes:
     """``data`` without gloo's all-connected lines (see :data:`GLOO_BANNER`)."""
     return GLOO_BANNER.sub(lambda m: b"" if m.group(1) == m.group(2) else m.group(0), data)
+
+
+def quiet_cpp_warnings() -> Callable[[], None]:
+    """Raise torch's C++ log level to ERROR in this process until the returned function is called.
+    For a call that is failing: a store client whose server was killed prints a warning with a
+    C++ stack of 20 lines ("recvValueWithTimeout failed"), an echo of the failure already
+    reported. torch reads ``TORCH_CPP_LOG_LEVEL`` once, at start; the level lives on in libc10's
+    ``FLAGS_caffe2_log_level``, which is set here (nothing happens where torch is not imported or
+    the symbol is missing)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return lambda: None
+    try:
+        import ctypes
+
+        library = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+        level = ctypes.c_int.in_dll(library, "FLAGS_caffe2_log_level")
+    except (OSError, ValueError, AttributeError):
+        return lambda: None
+    before = level.value
+    level.value = max(before, 2)  # 2: ERROR
+
+    def restore() -> None:
+        level.value = before
+
+    return restore
+
+
+def is_rank_excepthook(hook: Any) -> bool:
+    """``hook`` is one ``init_process_group`` installs over ``sys.excepthook`` (each group wraps
+    the hook before it in one that prefixes "[rankN]: " to every line), not the user's."""
+    return getattr(hook, "__qualname__", "").endswith("init_process_group.<locals>._distributed_excepthook")
+
+
+def without_rank_excepthooks(hook: Any, fallback: Any) -> Any:
+    """``hook`` without the "[rankN]: " wrappers of the groups made since (what each wrapped, down
+    to a hook not torch's); ``fallback`` where a wrapper does not say what it wrapped."""
+    while is_rank_excepthook(hook):
+        names = hook.__code__.co_freevars
+        if "old_hook" not in names or hook.__closure__ is None:
+            return fallback
+        hook = hook.__closure__[names.index("old_hook")].cell_contents
+    return hook

@@ -7,7 +7,11 @@ Session (session/session.py) and its ranks (rank/session.py) all need of them.
 * ``group_count`` / ``set_group_count``: torch's count of groups made in this process, put
   back after a failed ``init_process_group`` (torch names a group's store keys after it);
 * ``disarm_ended_ddp``: a DistributedDataParallel model left in the notebook by a call whose
-  group has ended fails at once, clearly, when used.
+  group has ended fails at once, clearly, when used;
+* ``forget_ended_groups``: the ended groups torch itself keeps alive (its functions' defaults),
+  let go of, so their sockets close;
+* ``keep_groups`` / ``release_ended_groups``: every group a rank makes is held here too, so that
+  no C++ owner (a DDP model's Reducer) destroys it with the GIL held, which deadlocks in torch.
 
 torch is never imported here at module level: the caller may not have imported it yet.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import types
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
@@ -109,6 +114,7 @@ def disarm_ended_ddp(roots: Sequence[Any]) -> int:
         kind = type(obj)
         if issubclass(kind, ddp_type):
             _refuse_calls(obj, ENDED_GROUP_MESSAGE)
+            _let_go_of_group(obj)
         elif fsdp_type is not None and issubclass(kind, fsdp_type):
             for module in obj.modules():  # each FSDP submodule gathers its own parameters
                 if isinstance(module, fsdp_type):
@@ -133,6 +139,24 @@ def _refuse_calls(module: Any, message: str) -> None:
         module._mpify_group_ended = message
         # In front of the module's own hooks: FSDP's pre-forward hook is where it gathers.
         module.register_forward_pre_hook(_refuse_ended_group, prepend=True)
+
+
+#: What a DistributedDataParallel holds its group by: the Reducer and the Logger (C++, each holds
+#: the group) and the group itself.
+_DDP_GROUP_HOLDERS = ("logger", "reducer", "process_group")
+
+
+def _let_go_of_group(model: Any) -> None:
+    """An ended DDP model left in the notebook (a %%ranch cell's ``model``) kept its group, and the
+    group's gloo listener with it: the notebook listened on a port after the call. Dropped while
+    :func:`keep_groups` still holds the group (the Reducer's destructor then does not free it, with
+    the GIL held). ``.module`` stays; calling the DDP is refused anyway."""
+    for name in _DDP_GROUP_HOLDERS:
+        if getattr(model, name, None) is not None:
+            try:
+                setattr(model, name, None)
+            except Exception:
+                pass  # only a listener is left open
 
 
 def _refuse_ended_group(module, args) -> None:
@@ -204,3 +228,110 @@ def set_group_count(count: Optional[int]) -> None:
         distributed_c10d._world.group_count = count
     except (ImportError, AttributeError):
         pass
+
+
+def forget_ended_groups() -> int:
+    """Let go of the ended process groups torch keeps alive itself; return how many were held.
+
+    ``torch.distributed.nn.functional`` writes ``group=group.WORLD`` in its functions'
+    signatures: imported while a group is up (``torch._dynamo`` imports it, and DDP imports
+    ``torch._dynamo``), it holds that group for good. After ``destroy_process_group`` the group
+    then lives on, its gloo listener and its store with it: a notebook that ran a DDP call kept
+    listening. Each default that holds a group no longer in torch's table becomes None, what an
+    import with no group gives (torch's functions read None as the default group)."""
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    group_type = getattr(c10d, "ProcessGroup", None)
+    if c10d is None or not isinstance(group_type, type):
+        return 0
+    try:
+        live = {id(g) for g in c10d._world.pg_map}
+    except AttributeError:
+        return 0
+    ended: list = []
+
+    def without_ended(values: tuple) -> tuple:
+        for v in values:
+            if isinstance(v, group_type) and id(v) not in live and not any(v is e for e in ended):
+                ended.append(v)
+        return tuple(None if isinstance(v, group_type) and id(v) not in live else v for v in values)
+
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "torch.distributed" or name.startswith("torch.distributed.")):
+            continue
+        for value in list(vars(module).values()):
+            if type(value) is not types.FunctionType:
+                continue
+            if value.__defaults__ and any(isinstance(v, group_type) for v in value.__defaults__):
+                value.__defaults__ = without_ended(value.__defaults__)
+            kw = value.__kwdefaults__
+            if kw and any(isinstance(v, group_type) for v in kw.values()):
+                value.__kwdefaults__ = dict(zip(kw, without_ended(tuple(kw.values()))))
+    if ended:
+        backends = compat._backends_of(ended)  # destroyed with the GIL released (compat.destroy_process_group)
+        count = len(ended)
+        ended.clear()
+        while backends:
+            backends.pop()
+        return count
+    return 0
+
+
+#: (group, its backends) of every group made in this process since keep_groups(), until released.
+_kept: list[tuple[Any, list]] = []
+_original_helper: Any = None
+#: How many groups this process has made since keep_groups() (a call that made none has nothing to let go of).
+made = 0
+
+
+def keep_groups() -> None:
+    """Hold every process group this process makes from now on, and its backends (idempotent;
+    nothing until torch.distributed is imported).
+
+    A DDP model's Reducer (C++, freed with the GIL held when the model is) may be the last owner
+    of a group its script destroyed: torch then runs ``~ProcessGroupGloo`` with the GIL held, which
+    joins gloo's worker threads, and one that is freeing the last collective's work waits for the
+    GIL (``~AsyncWork -> ~ThreadLocalState -> SafePyObject decref``): the process hangs for good,
+    with the GIL held, so no timeout or interrupt can act (about 1 time in 4 with a script that
+    trains, destroys its group and returns). Held here, the group outlives the Reducer; a backend
+    dropped by :func:`release_ended_groups` is destroyed with the GIL released (compat)."""
+    global _original_helper
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    if c10d is None or _original_helper is not None:
+        return
+    original = getattr(c10d, "_new_process_group_helper", None)
+    if original is None or getattr(original, "_mpify_nb", False):
+        return
+    _original_helper = original
+
+    def helper(*args: Any, **kwargs: Any) -> Any:
+        global made
+        made += 1
+        result = original(*args, **kwargs)
+        try:
+            group = result[0]
+            if isinstance(group, c10d.ProcessGroup):
+                _kept.append((group, compat._backends_of([group])))
+        except Exception:
+            pass  # only the deadlock guard is lost
+        return result
+
+    helper._mpify_nb = True  # type: ignore[attr-defined]
+    c10d._new_process_group_helper = helper
+
+
+def release_ended_groups() -> int:
+    """Let go of the kept groups torch has ended (no longer in its table), the group first, then
+    its backends: the last reference to a backend is ours, and its destructor runs with the GIL
+    released. Groups still up stay kept. Returns how many were released."""
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    if c10d is None or not _kept:
+        return 0
+    live = {id(g) for g in c10d._world.pg_map}
+    ended = [entry for entry in _kept if id(entry[0]) not in live]
+    _kept[:] = [entry for entry in _kept if id(entry[0]) in live]
+    count = len(ended)
+    backends = [b for _group, held in ended for b in held]
+    ended.clear()  # the groups: a Reducer that still holds one keeps it, not its backends
+    while backends:
+        backends.pop()  # destroyed now, with the GIL released (compat.destroy_process_group)
+    return count

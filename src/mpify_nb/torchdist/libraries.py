@@ -11,9 +11,10 @@ call's relay stream. And the kernel looks interactive to Lightning, which then r
 ::
 
     CallerState.snapshot()   ->  LibraryState.snapshot()    threads, loggers, warnings,
-                                                            known library singletons
+                                                            known library singletons, excepthook
     _run_own_rank            ->  with launched_externally():  Lightning sees a torchrun rank
-    CallerState.restore()    ->  LibraryState.restore()     all of the above as before
+    CallerState.restore()    ->  LibraryState.restore()     all of the above as before (the
+                                                            excepthook: torch's wrappers gone)
 
 The singletons are a small registry (:data:`SINGLETONS`): a library is only looked at when
 it is already in ``sys.modules``, never imported here. Its state is copied before the call
@@ -33,6 +34,8 @@ import uuid
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any, Optional, cast
+
+from . import compat
 
 #: Process-wide singletons of training libraries: (module, class, attribute holding the shared
 #: state dict). Each is copied before a call and restored after it, in the caller only.
@@ -159,6 +162,9 @@ class LibraryState:
         self.logging_disable = logging.root.manager.disable
         self.warning_filters = list(warnings.filters)
         self.singletons: dict[tuple[str, str, str], dict] = {}
+        #: init_process_group wraps sys.excepthook in one that prefixes "[rankN]: " (torch's c10d),
+        #: once per group: the notebook's would keep the wrapper of a group long gone
+        self.excepthook = sys.excepthook
 
     @classmethod
     def snapshot(cls) -> LibraryState:
@@ -198,6 +204,9 @@ class LibraryState:
         logging.Logger.manager._clear_cache()  # type: ignore[attr-defined]  # levels are cached per logger
         cast(list, warnings.filters)[:] = self.warning_filters
         warnings._filters_mutated()  # type: ignore[attr-defined]
+        # Unwrapped, not set back: IPython swaps sys.excepthook around each cell, and a call in the
+        # background may end after the cell that took this snapshot.
+        sys.excepthook = compat.without_rank_excepthooks(sys.excepthook, self.excepthook)
         torch = sys.modules.get("torch")
         if torch is not None and self.threads is not None and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)

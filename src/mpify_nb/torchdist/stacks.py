@@ -17,7 +17,7 @@ import sys
 import threading
 from typing import Any, Optional
 
-from . import p2p
+from . import p2p, rendezvous
 from .recorder import ROOTED, Op
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # mpify_nb/, above torchdist/
@@ -74,6 +74,9 @@ def blocked_call(frame: Any) -> tuple[Optional[Op], str, bool]:
     filename = frame.f_code.co_filename
     if filename.endswith(os.path.join("distributed", "distributed_c10d.py")):
         return _c10d_call(frame)
+    if filename == _RENDEZVOUS_FILE and frame.f_code.co_name == "_wait_open":
+        # Waits, in Python, for the call's store to open: a rendezvous of the whole world.
+        return Op("init_process_group"), "dist.init_process_group", False
     if filename.endswith(os.path.join("nn", "parallel", "distributed.py")):
         return None, f"DistributedDataParallel.{frame.f_code.co_name}", False
     if _calling(frame) == "wait":
@@ -93,9 +96,22 @@ def blocked_call(frame: Any) -> tuple[Optional[Op], str, bool]:
     return None, "", False
 
 
+#: c10d's functions a rendezvous waits in (its store, gloo's connections), by what the user called.
+_RENDEZVOUS = {"init_process_group": "init_process_group", "_new_process_group_helper": "init_process_group",
+               "_store_based_barrier": "init_process_group", "new_group": "new_group",
+               "_new_group_with_tag": "new_group"}
+_RENDEZVOUS_FILE = rendezvous.__file__
+
+
 def _c10d_call(frame: Any) -> tuple[Optional[Op], str, bool]:
     name = frame.f_code.co_name
     local = frame.f_locals
+    if name in _RENDEZVOUS:  # a group being made: every rank of the world must come
+        called = _RENDEZVOUS[name]
+        if name == "_new_process_group_helper" and frame.f_back is not None and \
+                frame.f_back.f_code.co_name in ("new_group", "_new_group_with_tag"):
+            called = "new_group"
+        return Op(called), f"dist.{called}", False
     group = local.get("group")
     ranks = _group_ranks(group)
     group_name = _group_name(group)

@@ -232,9 +232,15 @@ def snapshot(rank: int, thread_id: int, native_id: Optional[int] = None, stack: 
 def _check_counts(ops: list[Op]) -> tuple[tuple[str, int, int, int], ...]:
     """Each checked group's (name, published, judged, last collective entered in gloo): the last
     entered from the recorder (``ops``), where gloo has none (torch < 2.8) from torch's own count."""
+    counts = checked_groups.counts()
+    if not counts:
+        # No group checked yet: nothing to import. A spawned rank may be importing torch for the
+        # first time on its main thread (the function's own import): a second import of torch here,
+        # on the control thread, broke both (importlib's _DeadlockError there, KeyError here).
+        return ()
     recorded = issued(ops) if compat.has_gloo_recorder() else None
     out = []
-    for name, counted, published, judged in checked_groups.counts():
+    for name, counted, published, judged in counts:
         entered = counted if recorded is None else recorded.get(name, 0)
         if entered is not None:
             out.append((name, published, judged, entered))
@@ -320,11 +326,11 @@ def snapshot_of_failure(rank: int, exc: BaseException) -> Optional[Snapshot]:
 
 def _unrecorded_group() -> bool:
     """Is this process's group one whose collectives the recorder misses (gloo before torch 2.8)?"""
-    if compat.has_gloo_recorder():
+    dist = _dist()  # first: no group, no import of torch here (see _check_counts)
+    if dist is None or compat.has_gloo_recorder():
         return False
-    dist = _dist()
     try:
-        return dist is not None and dist.get_backend() == "gloo"
+        return dist.get_backend() == "gloo"
     except Exception:
         return False
 

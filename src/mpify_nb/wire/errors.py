@@ -33,6 +33,9 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from . import notes
+from .notes import safe_str as safe_str  # where the rest of mpify_nb imports it from
+
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # mpify_nb/, above wire/
 
 
@@ -402,6 +405,7 @@ class RemoteFailure:
 
     @classmethod
     def capture(cls, exc: BaseException, dumps) -> RemoteFailure:
+        notes.with_hint(exc)
         te = traceback.TracebackException.from_exception(exc, capture_locals=False)
         frames = [(f.filename, f.lineno or 0, f.name, f.line or None) for f in te.stack]
         chain = ""
@@ -416,7 +420,7 @@ class RemoteFailure:
             blob = dumps(exc)
         except Exception:
             blob = None
-        return cls(_qualified_name(type(exc)), safe_str(exc), frames, chain, blob)
+        return cls(_qualified_name(type(exc)), notes.with_notes(exc), frames, chain, blob)
 
     def format(self) -> str:
         """Format like Python does, with source lines taken from this process's linecache
@@ -443,19 +447,6 @@ class RemoteFailure:
             if isinstance(original, BaseException):
                 err.__cause__ = original
         return err
-
-
-def safe_str(exc: BaseException) -> str:
-    """``str(exc)``, even when the exception's own ``__str__`` raises: the error being
-    reported matters more than its message."""
-    try:
-        return str(exc)
-    except Exception as e:
-        try:
-            why = f"{type(e).__name__}: {e}"
-        except Exception:
-            why = type(e).__name__
-        return f"<str() of this {type(exc).__name__} raised {why}>"
 
 
 def _qualified_name(tp: type) -> str:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import builtins
 import io
 import linecache
+import os
 import pickle
 import sys
 import threading
@@ -359,6 +360,19 @@ class PackedCall:
         if self.fds:
             fds, self.fds = self.fds, []
             threading.Thread(target=close_fds, args=(fds,), name="mpify_nb-free", daemon=True).start()
+
+
+class RankFirst:
+    """``func(rank, *args, **kwargs)`` on every rank, ``rank`` its RANK: the way ``mp.spawn`` calls
+    ``fn(i, *args)`` (``ranch(..., pass_rank=True)``). Shipped with ``func`` inside it, by value
+    when the notebook defined it, like any function."""
+
+    def __init__(self, func: Callable) -> None:
+        self.func = func  # ship.cell_sources follows .func, as for a partial
+        self.__qualname__ = getattr(func, "__qualname__", type(func).__name__)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.func(int(os.environ["RANK"]), *args, **kwargs)
 
 
 def pack_call(
