@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import shutil
 
 import nox
 
@@ -72,16 +73,21 @@ def package(session: nox.Session) -> None:
     """Build the sdist and wheel, check them, install the wheel (not the tree) and run the demo."""
     session.install("build", "twine")
     tmp = os.path.abspath(session.create_tmp())
+    # A fresh venv of its own, holding torch only: the wheel alone must carry what else the demo needs.
+    # Made in the install step (``--install-only``: .ci/run makes it while the suite runs).
+    venv = os.path.join(tmp, "wheel-venv")
+    python = os.path.join(venv, "bin", "python")
+    session.run_install("python", "-m", "venv", "--clear", venv)
+    session.run_install(python, "-m", "pip", "install", "-q", TORCH, external=True)
     dist = os.path.join(tmp, "dist")
+    shutil.rmtree(dist, ignore_errors=True)  # a wheel of an earlier run would be picked up
     session.run("python", "-m", "build", "--outdir", dist)
     built = sorted(glob.glob(os.path.join(dist, "*")))
     session.run("twine", "check", "--strict", *built)
     wheel = next(path for path in built if path.endswith(".whl"))
-    # A fresh venv of its own: the wheel alone must carry what the demo needs.
-    venv = os.path.join(tmp, "wheel-venv")
-    session.run("python", "-m", "venv", "--clear", venv)
-    python = os.path.join(venv, "bin", "python")
-    session.run(python, "-m", "pip", "install", "-q", TORCH, wheel, external=True)
+    # (the wheel of an earlier ``nox -R`` run out first: same version, pip would keep it)
+    session.run(python, "-m", "pip", "uninstall", "-q", "-y", "mpify_nb", external=True)
+    session.run(python, "-m", "pip", "install", "-q", wheel, external=True)
     demo = os.path.abspath("examples/demo.py")
     # Run from outside the checkout, so `import mpify_nb` can only find the installed wheel.
     with session.chdir(tmp):
