@@ -34,9 +34,10 @@ FLOOR_TESTS = [
     "tests/test_mismatch.py",
     "tests/test_collective_checks.py",
 ]
-#: What FLOOR_TESTS need of the test extra (kernels, notebooks, the timeout plugin; matplotlib and tqdm
+#: What FLOOR_TESTS need of the test extra (kernels, notebooks, the timeout and xdist plugins; matplotlib and tqdm
 #: in ranks' cells, ipywidgets for tqdm's widget bar).
-FLOOR_PACKAGES = ["pytest", "pytest-timeout", "ipykernel", "nbclient", "nbformat", "matplotlib", "tqdm", "ipywidgets"]
+FLOOR_PACKAGES = ["pytest", "pytest-timeout", "pytest-xdist", "ipykernel", "nbclient", "nbformat", "matplotlib", "tqdm",
+                  "ipywidgets"]
 nox.options.sessions = ["tests", "lint", "typecheck", "package", "docs", "floor"]
 
 
