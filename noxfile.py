@@ -82,7 +82,8 @@ def package(session: nox.Session) -> None:
     session.run_install(python, "-m", "pip", "install", "-q", TORCH, external=True)
     dist = os.path.join(tmp, "dist")
     shutil.rmtree(dist, ignore_errors=True)  # a wheel of an earlier run would be picked up
-    session.run("python", "-m", "build", "--outdir", dist)
+    if session.run("python", "-m", "build", "--outdir", dist) is None:
+        return  # --install-only: the venvs are made, and nothing is built
     built = sorted(glob.glob(os.path.join(dist, "*")))
     session.run("twine", "check", "--strict", *built)
     wheel = next(path for path in built if path.endswith(".whl"))
