@@ -6,7 +6,9 @@ runs each in a fresh kernel of the interpreter that builds the site (tests/nbuti
 kernelspec, nothing left running afterwards) and hands the executed copy to mkdocs-jupyter as
 ``examples/<name>.ipynb``. A notebook that fails fails the build. ``mkdocs serve`` runs a notebook
 again only when its source changed. ``MPIFY_NB_DOCS_EXECUTE=0`` renders them without outputs
-(quick edits of the pages).
+(quick edits of the pages). ``MPIFY_NB_EXECUTED_EXAMPLES=<folder>``: where the test run left the
+notebooks it executed (tests/nbutil.py ``keep_executed_example``, named by the digest of their
+source); the build renders such a copy instead of running the notebook again (.ci/run).
 
 mkdocs-jupyter builds a notebook page's table of contents from a Markdown copy of the notebook with
 every inline code span removed, so a heading such as ``## Moving data: `%dist_push` `` showed as "Moving
@@ -55,7 +57,12 @@ def _executed(source: Path) -> Path:
     if digest in _done:
         return _done[digest]
     nb = nbformat.reads(data.decode(), as_version=4)
-    if os.environ.get("MPIFY_NB_DOCS_EXECUTE", "1") != "0":
+    kept = Path(os.environ.get("MPIFY_NB_EXECUTED_EXAMPLES") or os.devnull) / f"{digest}.ipynb"
+    if kept.is_file():  # this very source, executed by the test run before (.ci/run): not run twice
+        log.info("%s: the copy the tests executed", source.relative_to(ROOT))
+        nb = nbformat.read(kept, as_version=4)
+        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    elif os.environ.get("MPIFY_NB_DOCS_EXECUTE", "1") != "0":
         sys.path.insert(0, str(ROOT / "tests"))
         try:
             import nbutil  # the tests' kernel runner: this interpreter, leftovers checked

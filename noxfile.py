@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import shutil
 
 import nox
 
@@ -33,9 +34,10 @@ FLOOR_TESTS = [
     "tests/test_mismatch.py",
     "tests/test_collective_checks.py",
 ]
-#: What FLOOR_TESTS need of the test extra (kernels, notebooks, the timeout plugin; matplotlib and tqdm
+#: What FLOOR_TESTS need of the test extra (kernels, notebooks, the timeout and xdist plugins; matplotlib and tqdm
 #: in ranks' cells, ipywidgets for tqdm's widget bar).
-FLOOR_PACKAGES = ["pytest", "pytest-timeout", "ipykernel", "nbclient", "nbformat", "matplotlib", "tqdm", "ipywidgets"]
+FLOOR_PACKAGES = ["pytest", "pytest-timeout", "pytest-xdist", "ipykernel", "nbclient", "nbformat", "matplotlib", "tqdm",
+                  "ipywidgets"]
 nox.options.sessions = ["tests", "lint", "typecheck", "package", "docs", "floor"]
 
 
@@ -72,16 +74,22 @@ def package(session: nox.Session) -> None:
     """Build the sdist and wheel, check them, install the wheel (not the tree) and run the demo."""
     session.install("build", "twine")
     tmp = os.path.abspath(session.create_tmp())
+    # A fresh venv of its own, holding torch only: the wheel alone must carry what else the demo needs.
+    # Made in the install step (``--install-only``: .ci/run makes it while the suite runs).
+    venv = os.path.join(tmp, "wheel-venv")
+    python = os.path.join(venv, "bin", "python")
+    session.run_install("python", "-m", "venv", "--clear", venv)
+    session.run_install(python, "-m", "pip", "install", "-q", TORCH, external=True)
     dist = os.path.join(tmp, "dist")
-    session.run("python", "-m", "build", "--outdir", dist)
+    shutil.rmtree(dist, ignore_errors=True)  # a wheel of an earlier run would be picked up
+    if session.run("python", "-m", "build", "--outdir", dist) is None:
+        return  # --install-only: the venvs are made, and nothing is built
     built = sorted(glob.glob(os.path.join(dist, "*")))
     session.run("twine", "check", "--strict", *built)
     wheel = next(path for path in built if path.endswith(".whl"))
-    # A fresh venv of its own: the wheel alone must carry what the demo needs.
-    venv = os.path.join(tmp, "wheel-venv")
-    session.run("python", "-m", "venv", "--clear", venv)
-    python = os.path.join(venv, "bin", "python")
-    session.run(python, "-m", "pip", "install", "-q", TORCH, wheel, external=True)
+    # (the wheel of an earlier ``nox -R`` run out first: same version, pip would keep it)
+    session.run(python, "-m", "pip", "uninstall", "-q", "-y", "mpify_nb", external=True)
+    session.run(python, "-m", "pip", "install", "-q", wheel, external=True)
     demo = os.path.abspath("examples/demo.py")
     # Run from outside the checkout, so `import mpify_nb` can only find the installed wheel.
     with session.chdir(tmp):

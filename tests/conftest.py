@@ -61,6 +61,27 @@ def _recover_shared_kernels(request):
 
 
 @pytest.fixture
+def rank_imports_from_here():
+    """Ranks import what the notebook imported (wire/modules.py), as by default, where "the notebook"
+    is the test from here on: what the pytest process had imported before it (every collected test
+    module's libraries: Ray, fastai, Lightning, transformers...) is left out, as for a notebook that
+    never imported them. Otherwise every rank of every call imports them all, and a preloading template
+    too (a minute per test in the full suite, seconds alone), and what a test checks would depend on
+    which other tests were collected. For the tests of rank imports and preloading (pytest_configure
+    turns rank imports off in this process for the rest)."""
+    from mpify_nb.wire import modules
+
+    enabled, left_out = modules._enabled, set(modules._leave_out)
+    modules._leave_out.update({name.partition(".")[0] for name in list(sys.modules)})
+    modules.set_rank_imports(True)
+    yield
+    modules._leave_out.clear()
+    modules._leave_out.update(left_out)
+    modules._enabled = enabled
+    modules._cache.clear()
+
+
+@pytest.fixture
 def sigint_handler():
     """Python's own SIGINT handler (KeyboardInterrupt), with mpify_nb's in front of it as
     ``import mpify_nb`` puts it (engine/interrupts.py), for a test that interrupts this process.

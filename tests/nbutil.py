@@ -13,6 +13,7 @@ without matching processes by name.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import os
 import re
@@ -120,6 +121,18 @@ def run_cells(
 ) -> list[NotebookNode]:
     """Run ``cells`` (source strings) in order in a fresh kernel; return the executed cells."""
     return execute_notebook(new_notebook(cells), timeout=timeout, allow_errors=allow_errors, cwd=cwd).cells
+
+
+def keep_executed_example(source: Union[str, Path], nb: NotebookNode) -> None:
+    """Leave ``nb``, the example notebook ``source`` as a test executed it (its checks passed), for the
+    docs build to render rather than run again: ``$MPIFY_NB_EXECUTED_EXAMPLES/<sha256 of the source
+    file>.ipynb`` (mkdocs_hooks.py). Nothing when that variable is unset (it is set by .ci/run)."""
+    folder = os.environ.get("MPIFY_NB_EXECUTED_EXAMPLES")
+    if not folder:
+        return
+    digest = hashlib.sha256(Path(source).read_bytes()).hexdigest()
+    os.makedirs(folder, exist_ok=True)
+    nbformat.write(nb, os.path.join(folder, f"{digest}.ipynb"))
 
 
 # -- reading outputs ---------------------------------------------------------------------

@@ -548,3 +548,4 @@ def test_example_notebook_runs():
     assert "[rank 2] Summary(rank=2, total=260)" in text  # values, labelled
     assert "rank 1 raised ValueError" in text  # the error example (tagged raises-exception)
     assert "TimeoutError" in text
+    nbutil.keep_executed_example(path, nb)  # the docs build renders it (no second run)

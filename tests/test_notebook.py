@@ -61,6 +61,7 @@ def test_example_notebook_trains_on_two_ranks():
     # Each rank saw half the training set (the DistributedSampler split it).
     sizes = {int(n) for n in re.findall(r"on (\d+) images", text)}
     assert sizes == {674}, sizes
+    nbutil.keep_executed_example(EXAMPLE, nb)  # the docs build renders it (no second run)
 
 
 # -- notebook-defined code on the ranks --------------------------------------------------

@@ -15,7 +15,6 @@ import pytest
 import helpers_ranks as hr
 import mpify_nb
 from mpify_nb.start import preload, template
-from mpify_nb.wire import modules as rank_modules
 
 # Standard-library modules that neither torch nor numpy import (the base template lacks them).
 POOL = ["colorsys", "wave", "netrc", "tabnanny", "sched", "pyclbr", "filecmp", "graphlib", "poplib", "ftplib"]
@@ -29,7 +28,7 @@ def unused(k: int) -> list[str]:
 
 
 @pytest.fixture(autouse=True)
-def fresh():
+def fresh(rank_imports_from_here):
     def reset(enabled: bool):
         template.wait_preloaded(timeout=120)  # what the last call set going in the background
         template.shutdown()
@@ -39,12 +38,9 @@ def fresh():
         preload._enabled = enabled
 
     was = preload.enabled()  # off for the rest of the suite (conftest): leave it so
-    imports_were = rank_modules._enabled  # the same for the ranks' imports of the caller's modules
-    rank_modules._enabled = True
     reset(True)
     yield
     reset(was)
-    rank_modules._enabled = imports_were
 
 
 def held_at_start(names: list) -> list[dict]:

@@ -39,6 +39,7 @@ CLIENT_PORT = mpify_nb.start.placement.free_port(HEAD)  # Ray Client's server on
 def cluster():
     from ray.cluster_utils import Cluster
 
+    environ = dict(os.environ)  # ray.init() sets PYTHONBREAKPOINT to Ray's debugger here: put back below
     # Ray Client's proxy gives a driver's server 30 s to come up, then fails the connection
     # ("Starting Ray client server failed"); on this shared 2-core machine under load that
     # server once took longer. The head node's processes read this from their environment.
@@ -55,6 +56,9 @@ def cluster():
         mpify_nb.set_placement("local")
         ray.shutdown()
         c.shutdown()
+        # Every later rank of this process (the modules this xdist worker runs next) would inherit it.
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 @pytest.fixture

@@ -24,13 +24,8 @@ from mpify_nb.wire import modules, payload
 
 
 @pytest.fixture(autouse=True)
-def rank_imports():
+def rank_imports(rank_imports_from_here):
     """On, as by default (conftest turns it off in the pytest process for the rest of the suite)."""
-    was = modules._enabled
-    mpify_nb.set_rank_imports(True)
-    yield
-    modules._enabled = was
-    modules._cache.clear()
 
 
 def notebook(source: str) -> dict:
@@ -240,12 +235,12 @@ def test_leave_out_and_off(patched):
         mpify_nb.set_rank_imports(leave_out=[patch])
         with pytest.raises(mpify_nb.RankError, match="extra"):
             mpify_nb.ranch(2, use, caller_rank=None)
-        modules._leave_out.clear()
+        modules._leave_out.discard(patch)
         mpify_nb.set_rank_imports(False)
         with pytest.raises(mpify_nb.RankError, match="extra"):
             mpify_nb.ranch(2, use, caller_rank=None)
     finally:
-        modules._leave_out.clear()
+        modules._leave_out.discard(patch)
         mpify_nb.set_rank_imports(True)
     assert mpify_nb.ranch(2, use, caller_rank=None) == [42, 42]
 
