@@ -39,7 +39,7 @@ REPLY_WITHIN = 4.0
 ATTACH_TIMEOUT = 30.0
 
 
-def untraced_thread(target: Callable[[], None], name: str) -> threading.Thread:
+def untraced_thread(target: Callable[[], object], name: str) -> threading.Thread:
     """A daemon thread (not started) that the kernel's own debugpy never traces nor suspends,
     as ipykernel's control thread: when a breakpoint stops the kernel, debugpy suspends every
     other thread it traces, and a wait for the ranks on such a thread would never end (the

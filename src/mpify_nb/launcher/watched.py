@@ -141,7 +141,7 @@ class WatchedCall:
         self.outcome.fail(explained)
         return True
 
-    def _as_refusal(self, error: BaseException) -> BaseException:
+    def _as_refusal(self, error: RankError) -> RankError:
         """A rank's error that is the collective check's refusal, as the call's CollectiveError.
         A send the check refused on the peer's side leaves this side in gloo: the caller's own
         rank, if it is there, is unstuck at once (not when the peer's death reaches gloo)."""

@@ -269,7 +269,7 @@ def lifecycle_magics_class() -> type:
                 print("%dist_debug debugs the last error a cell raised on a rank (pdb post mortem), and no "
                       "cell has failed on the ranks. (nbdistributed's %dist_debug showed the workers' state: "
                       "%dist_status, below.)")
-                self.dist_status("")
+                self._show_status()
                 return
             self._post_mortem(rank)
 
@@ -303,6 +303,9 @@ def lifecycle_magics_class() -> type:
 
                 %dist_status
             """
+            self._show_status()
+
+        def _show_status(self) -> None:
             if self.state.session is None:
                 print("No ranks: %dist_init -n N starts them.")
                 return

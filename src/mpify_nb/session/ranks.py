@@ -124,8 +124,9 @@ class SessionRanks:
         if self._local:  # bound here, handed to the host: no one can take the port meanwhile
             address = self._layout.nodes[host]
             # With ddp it listens now, for the group; without, at a cell's first init_process_group.
-            listener = listen_on(address, 0, self.world_size * 2) if self.ddp else rendezvous.reserve(address)
-            port = listener.getsockname()[1]
+            bound: socket.socket = (listen_on(address, 0, self.world_size * 2) if self.ddp
+                                    else rendezvous.reserve(address))
+            listener, port = bound, bound.getsockname()[1]
         else:  # on a Ray node the host binds it itself
             port = placer.store_port()
         new: list[Member] = []

@@ -284,7 +284,7 @@ def quiet_cpp_warnings() -> Callable[[], None]:
     try:
         import ctypes
 
-        library = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+        library = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__ or ""), "lib", "libc10.so"))
         level = ctypes.c_int.in_dll(library, "FLAGS_caffe2_log_level")
     except (OSError, ValueError, AttributeError):
         return lambda: None

@@ -316,7 +316,7 @@ def keep_groups() -> None:
         return result
 
     helper._mpify_nb = True  # type: ignore[attr-defined]
-    c10d._new_process_group_helper = helper
+    setattr(c10d, "_new_process_group_helper", helper)  # noqa: B010 (a private name torch may lack in type stubs)
 
 
 def release_ended_groups() -> int:

@@ -275,10 +275,10 @@ def _wait_open(address: str, port: int, seconds: float) -> None:
 # -- torch imported during the call --------------------------------------------------------------
 
 #: What runs once torch.distributed is imported, in a process that plays a rank (when_imported).
-_waiting: list[Callable[[], None]] = []
+_waiting: list[Callable[[], object]] = []
 
 
-def when_imported(callback: Callable[[], None]) -> None:
+def when_imported(callback: Callable[[], object]) -> None:
     """Run ``callback`` once ``torch.distributed`` is imported: now if it is; else right after
     its import (a spawned rank, or the notebook, whose function imports torch during the call).
     What a rank installs there (these handlers, the collective check, the p2p notes) must be in

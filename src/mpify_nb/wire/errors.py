@@ -259,7 +259,7 @@ class CollectiveError(RankError):
         self.mismatch: Any = None  # the check's: a torchdist.checks.mismatch.Mismatch
 
     def __reduce__(self) -> Any:  # its __init__ takes the parts: a rank's travels as its state
-        return copyreg.__newobj__, (type(self), *self.args), dict(self.__dict__)
+        return copyreg.__newobj__, (type(self), *self.args), dict(self.__dict__)  # type: ignore[attr-defined]
 
 
 class StdinUnavailableError(RuntimeError):

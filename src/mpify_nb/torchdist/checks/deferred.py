@@ -73,7 +73,8 @@ def deferrable(pg: Any) -> bool:
             return False
         if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
             return False
-        inflight = getattr(torch._C._distributed_c10d, "_allow_inflight_collective_as_graph_input", None)
+        c10d_c = getattr(torch._C, "_distributed_c10d", None)
+        inflight = getattr(c10d_c, "_allow_inflight_collective_as_graph_input", None)
         return not (inflight is not None and inflight())
     except Exception:
         return False

@@ -75,7 +75,7 @@ class Group:
         self.ring = ("c", me)
         self.room = table.room(self.ring)
         self.calls = 0  # collectives checked (and numbered alike) on every rank
-        self.p2p_calls: dict[tuple[int, int], int] = {}
+        self.p2p_calls: dict[tuple[int, int, Any], int] = {}  # (peer, send 0 / recv 1, tag)
         self.p2p_seen = 0  # point-to-point calls (they take a number of torch's sequence too)
         self.any_source = False  # it received from any rank: its recvs pair as only gloo knows
         self.published = 0  # collectives this rank has published
@@ -319,10 +319,11 @@ _made: weakref.WeakSet[Group] = weakref.WeakSet()  # every Group alive, its tabl
 def known(pg: Any) -> tuple[bool, Optional[Group]]:
     """(whether ``pg``'s check was set up, its Group)."""
     try:
-        found = _groups.get(pg, _groups)
-    except TypeError:
+        if pg not in _groups:
+            return False, None
+        return True, _groups[pg]
+    except (TypeError, KeyError):  # not weakly referenceable; or collected between the two looks
         return True, None
-    return (False, None) if found is _groups else (True, found)
 
 
 def set_up(pg: Any, checking: Callable[[], Op]) -> Optional[Group]:
