@@ -15,6 +15,7 @@ import pytest
 import helpers_ranks as hr
 import mpify_nb
 from mpify_nb.start import preload, template
+from mpify_nb.wire import modules as rank_modules
 
 # Standard-library modules that neither torch, numpy nor torch._dynamo import (the base template lacks them).
 POOL = ["wave", "netrc", "tabnanny", "sched", "pyclbr", "filecmp", "graphlib", "poplib", "ftplib", "imaplib",
