@@ -31,6 +31,7 @@ BENCHMARKS = {
     "checks": "bench_collective_checks.py",  # issue 35: the collective check on and off, side by side
     "debugger": "bench_debugger.py",  # issue 29: the debugger panel on ranks, beside the kernel's own
     "background": "bench_background.py",  # issue 37: background work, beside the same call in the foreground
+    "gpu_calls": "bench_gpu_calls.py",  # issue 36: every route to a DDP job, warm calls (CPU here; --device cuda alone)
 }
 
 

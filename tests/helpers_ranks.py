@@ -800,3 +800,15 @@ def steps_until_file(path: str, pid_dir: Optional[str] = None) -> int:
         n += 1
         time.sleep(0.02)
     return n
+
+
+def import_then_report(names: list) -> list:
+    """Import ``names``; return every module this rank imported since it was born (its template's
+    were there already), sorted."""
+    import importlib
+
+    from mpify_nb.rank import imports_news
+
+    for name in names:
+        importlib.import_module(name)
+    return sorted(name for name in sys.modules if name not in imports_news._born_with)

@@ -15,9 +15,11 @@ import pytest
 import helpers_ranks as hr
 import mpify_nb
 from mpify_nb.start import preload, template
+from mpify_nb.wire import modules as rank_modules
 
-# Standard-library modules that neither torch nor numpy import (the base template lacks them).
-POOL = ["colorsys", "wave", "netrc", "tabnanny", "sched", "pyclbr", "filecmp", "graphlib", "poplib", "ftplib"]
+# Standard-library modules that neither torch, numpy nor torch._dynamo import (the base template lacks them).
+POOL = ["wave", "netrc", "tabnanny", "sched", "pyclbr", "filecmp", "graphlib", "poplib", "ftplib", "imaplib",
+        "smtplib", "mailbox"]
 
 
 def unused(k: int) -> list[str]:
@@ -120,8 +122,8 @@ def test_a_module_that_fails_in_the_template_is_skipped_and_remembered(tmp_path,
     # The template works, holds the stdlib module, and left the broken one out.
     assert held_at_start([name, mod]) == [{name: False, mod: True}] * 2
     assert "only in a rank" in preload.failed()[name]
-    template.refresh()  # remembered: no new template is started for it
-    assert template._candidate is None
+    template.refresh()  # remembered: the template is not asked for it again
+    assert name not in template.get_template().held.queued and name in template.get_template().failed
 
 
 def test_the_environment_variable_names_modules_and_turns_it_off(monkeypatch):
@@ -159,10 +161,10 @@ def test_a_module_that_would_make_forks_unsafe_is_left_out(tmp_path, monkeypatch
     assert why in preload.failed()[name]
 
 
-def test_a_module_only_the_notebook_imported_is_on_every_rank_then_preloaded(tmp_path, monkeypatch):
-    """Issue 27: a call behaves the same whether or not a preload has finished, so every rank
-    imports what the notebook imported before it loads the call; the template then learns it
-    from the ranks (its import-time side effect runs there once more, as in any fork-less launcher)."""
+def test_a_module_only_the_notebook_imported_is_on_every_rank_imported_once_by_the_template(tmp_path, monkeypatch):
+    """Issue 27: a call behaves the same whether or not the template holds a module, so every rank
+    holds what the notebook imported before it loads the call. Issue 36: the template imports it
+    (once, before the first call's forks), instead of every rank of every call."""
     site = tmp_path / "site-packages"
     site.mkdir()
     log = tmp_path / "imports.log"
@@ -171,13 +173,14 @@ def test_a_module_only_the_notebook_imported_is_on_every_rank_then_preloaded(tmp
     monkeypatch.syspath_prepend(str(site))
     __import__(name)  # the notebook's own import
     try:
-        assert held_at_start([name]) == [{name: True}] * 2  # imported before the call began
-        assert log.read_text() == "imported\n" * 3  # the notebook, then each rank of call 1
-        assert template.wait_preloaded(timeout=120)
-        held_at_start([])
-        assert held_at_start([name]) == [{name: True}] * 2
+        mpify_nb.set_preload(False)
+        assert held_at_start([name]) == [{name: True}] * 2  # imported before the call began...
+        assert log.read_text() == "imported\n" * 3  # ...by each rank: the notebook, then ranks 0 and 1
+        mpify_nb.set_preload(True)
+        for _ in range(3):
+            assert held_at_start([name]) == [{name: True}] * 2  # the same...
         assert name in template.get_template().holds()
-        assert log.read_text() == "imported\n" * 4  # and once in the template: not per call any more
+        assert log.read_text() == "imported\n" * 4  # ...but imported once more in all: by the template
     finally:
         sys.modules.pop(name, None)
 
@@ -188,3 +191,28 @@ def test_the_submodules_of_a_module_left_out_are_left_out_too():
     preload._learned.update(dict.fromkeys(["pkgx", "pkgx.sub", "pkgx.sub.deep", "pkgxy", "other"]))
     preload.mark_failed("pkgx", "it starts a thread at import")
     assert preload.wanted() == ["pkgxy", "other"]
+
+
+def test_from_the_second_call_on_back_to_back_no_rank_imports_what_an_earlier_call_or_the_caller_did(
+        tmp_path, monkeypatch):
+    """Issue 36: calls 2-4 right after call 1 (no wait for the template): their ranks are born holding
+    what call 1's ranks imported (the template imported it beside call 1, as the ranks reported it)
+    and what the caller imported meanwhile, so they import nothing at all."""
+    names = unused(2)
+    first = mpify_nb.ranch(2, hr.import_then_report, names, caller_rank=None)
+    assert all(set(names) <= set(imported) for imported in first)  # call 1 paid for them
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    mine = f"mpify_caller_{uuid.uuid4().hex[:8]}"
+    (site / f"{mine}.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(site))
+    __import__(mine)  # the caller imports a library between two calls
+    roots = rank_modules.Roots(None)
+    try:
+        for _ in range(3):
+            imported = mpify_nb.ranch(2, hr.import_then_report, names + [mine], caller_rank=None)
+            # Only the caller's own code, which a rank imports afresh every call (the user edits it).
+            assert [[n for n in each if roots.installed(sys.modules[n].__file__)] for each in imported] == [[], []]
+            assert [mine in each for each in imported] == [False, False]
+    finally:
+        sys.modules.pop(mine, None)

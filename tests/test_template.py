@@ -11,17 +11,19 @@ counting; here the test holds the reader's lock instead, so the moment is the sa
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
 import time
+import uuid
 
 import pytest
 
 import helpers_ranks as hr
 import mpify_nb
 from helpers_ranch import assert_next_call_works
-from mpify_nb.start import template
+from mpify_nb.start import preload, template
 from mpify_nb.wire import modules as rank_modules
 from test_preload import fresh, unused  # noqa: F401  (fresh: a fixture)
 
@@ -107,26 +109,87 @@ def test_a_rank_whose_template_is_killed_says_how_it_died(tmp_path):
     assert_next_call_works()
 
 
-def test_a_call_that_must_start_a_template_stops_the_preload_beside_it(monkeypatch):
-    """A variable read at import time changed while a preloading template was on its way: the call
-    starts a template as a cold start does, and the preload (now useless: made with the old
-    environment) does not go on beside it, taking half the machine from the start the call waits for."""
-    [mod] = unused(1)
-    assert mpify_nb.ranch(2, hr.modules_then_import, [mod], caller_rank=None) == [{mod: False}] * 2
-    _wait_until(lambda: template._candidate is not None, "a preloading template started after the call")
-    candidate = template._candidate
-    assert candidate is not None
-    os.kill(candidate.pid, signal.SIGSTOP)  # a long preload: it stays in its imports
+def _site_module(tmp_path, monkeypatch, prefix: str, template_only: str) -> str:
+    """A module installed under a site-packages directory that runs ``template_only`` where RANK is
+    not set: in the template, never in a rank."""
+    site = tmp_path / "site-packages"
+    site.mkdir(exist_ok=True)
+    name = f"{prefix}_{uuid.uuid4().hex[:8]}"
+    (site / f"{name}.py").write_text("import os\nif 'RANK' not in os.environ:\n" +
+                                     "".join("    " + line + "\n" for line in template_only.splitlines()))
+    monkeypatch.syspath_prepend(str(site))
+    return name
+
+
+def test_a_module_whose_import_hangs_in_the_template_is_left_out(tmp_path, monkeypatch):
+    """The template imports what the ranks import between forks, so a fork waits for the import in
+    progress: one that never ends (a network wait) would hold every later call. After
+    STEP_PATIENCE on one module the call gives that template up, the module is left out, and a new
+    template (which never tries it) forks the ranks; the stuck one, which held no rank, is killed."""
+    monkeypatch.setattr(template, "STEP_PATIENCE", 3.0)
+    name = _site_module(tmp_path, monkeypatch, "mpify_hangs", "import time\ntime.sleep(3600)")
+    assert mpify_nb.ranch(2, hr.modules_then_import, [name], caller_rank=None) == [{name: False}] * 2
+    stuck = template.get_template()
+    _wait_until(lambda: stuck.trying == name, "the template began importing it")
+    t0 = time.monotonic()
+    assert mpify_nb.ranch(2, hr.modules_then_import, [name], caller_rank=None) == [{name: False}] * 2
+    assert time.monotonic() - t0 < NO_HANG
+    assert preload.failed()[name] == "its import took over 3 s in the template"
+    assert template.get_template() is not stuck and stuck.retiring
+    assert stuck._proc.wait(timeout=NO_HANG) == -signal.SIGKILL
+    assert name not in template.get_template().held.queued
+    assert mpify_nb.ranch(2, hr.modules_then_import, [name], caller_rank=None) == [{name: False}] * 2
+
+
+def test_a_call_that_must_start_a_template_does_not_wait_for_the_old_ones_import(tmp_path, monkeypatch):
+    """A variable read at import time changed while the template was in a long import: the call
+    starts a template as a cold start does, and the old one (no ranks live in it) is killed, not
+    waited for."""
+    name = _site_module(tmp_path, monkeypatch, "mpify_slow", "import time\ntime.sleep(3600)")
+    assert mpify_nb.ranch(2, hr.modules_then_import, [name], caller_rank=None) == [{name: False}] * 2
+    old = template.get_template()
+    _wait_until(lambda: old.trying == name, "the template began importing it")
+    mpify_nb.set_preload(False)  # the next template imports nothing more: the call is a cold start
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert mpify_nb.ranch(2, hr.rank) == [0, 1]
+    assert old._proc.wait(timeout=NO_HANG) == -signal.SIGKILL
+    assert old.how_it_ended().startswith("killed by SIGKILL: this process closed it")
+
+
+def test_a_calls_timeout_does_not_count_the_templates_start(tmp_path):
+    """A fresh kernel's first call waits for the template to import torch (seconds): that one-time
+    start is not the call's time, so a short timeout holds for the call itself. (Before: ``ranch(2,
+    os.getpid, timeout=2)`` failed after 3.2 s, "the template ... is still starting ... after 0 s".)"""
+    template.shutdown()
+    client = template.get_template()
+    os.kill(client.pid, signal.SIGSTOP)  # its start takes 4 s at least, whatever the machine
+    resume = threading.Timer(4.0, os.kill, (client.pid, signal.SIGCONT))
+    resume.start()
+    t0 = time.monotonic()
     try:
-        monkeypatch.setenv("OMP_NUM_THREADS", "5")
-        assert mpify_nb.ranch(2, hr.rank) == [0, 1]
-        assert candidate._proc.wait(timeout=NO_HANG) == -signal.SIGKILL
+        assert mpify_nb.ranch(2, hr.rank, timeout=3) == [0, 1]
     finally:
-        if candidate._proc.poll() is None:
-            candidate._proc.kill()
-            candidate._proc.wait()
-    assert candidate.how_it_ended().startswith(
-        "killed by SIGKILL: this process killed it (a variable read at import time changed")
+        resume.join()
+    assert time.monotonic() - t0 >= 4.0
+    with pytest.raises(TimeoutError, match=r"^ranch: the call did not finish within 3 s"):
+        mpify_nb.ranch(2, hr.sleep_in_python, str(tmp_path), 30, timeout=3)  # its own time still counts
+
+
+def test_a_template_that_does_not_start_says_how_long_it_was_waited_for(monkeypatch):
+    monkeypatch.setattr(template, "START_PATIENCE", 1.0)
+    template.shutdown()
+    client = template.get_template()
+    os.kill(client.pid, signal.SIGSTOP)  # it never gets through its imports
+    with pytest.raises(template.TemplateUnresponsive) as info:
+        mpify_nb.ranch(2, hr.rank, timeout=60)
+    message = str(info.value)
+    found = re.fullmatch(rf"the template process \(pid {client.pid}\) is still starting \(it imports torch\) "
+                         r"(\d+\.\d) s after it was started: it is stopped \(SIGSTOP\?\), so it was replaced", message)
+    assert found, message
+    assert 1.0 <= float(found.group(1)) < NO_HANG
+    assert client._proc.wait(timeout=NO_HANG) == -signal.SIGKILL
+    monkeypatch.setattr(template, "START_PATIENCE", NO_HANG)
+    assert mpify_nb.ranch(2, hr.rank) == [0, 1]  # a fresh one
 
 
 # -- nothing left to be reaped by PID 1 (issue 35) -----------------------------------------------

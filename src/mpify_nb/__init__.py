@@ -36,6 +36,7 @@ from .launcher.ranch import ranch
 from .session.session import RankStatus, Session
 from .start import placement, template
 from .start.placement import get_placement, get_start_method, set_placement, set_start_method
+from .start.spares import set_spare_ranks
 from .start.template import set_preload
 from .torchdist import compat as _compat
 from .wire import errors
@@ -67,6 +68,7 @@ __all__ = [
     "get_placement",
     "placement",
     "set_preload",
+    "set_spare_ranks",
     "set_rank_imports",
     "set_collective_checks",
 ]
@@ -110,9 +112,45 @@ if os.environ.get("MPIFY_NB_CHILD") != "1":
         _install_debugger()
 
 # Start the template now, in the background, so the first call does not pay for
-# importing torch. Not in our own children (ranks and the template itself).
+# importing torch; then what this process's first DDP needs. Not in our own children
+# (ranks and the template itself).
+def _after_warmup(names: list) -> None:
+    """The warm-up imported ``names`` (on its thread): what the first call would do next, done now."""
+    from .start.template import grow_now, wanted_now
+    from .wire.modules import leave_out_ours
+    from .wire.ship import index_modules
+
+    leave_out_ours(names)  # not the notebook's own imports: no rank imports them for it
+    grow_now(_warmup.DDP_LAZY_IMPORTS)  # the template too: a spawned rank's first DDP is as warm
+    index_modules()  # what each global of theirs is (objects held by modules travel by name)
+    wanted_now()  # which of the notebook's modules the ranks import first, and where each lives
+
+
+def _warm_when_idle() -> None:
+    """In an IPython shell (a Jupyter kernel): once the cell that imported us has finished, while
+    the user writes the next one, import what this process's first DDP needs. Not in a script: it
+    has no idle time, and its calls would wait for the warm-up's imports."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if shell is None:
+        return
+
+    def once(*_args) -> None:
+        shell.events.unregister("post_run_cell", once)
+        _warmup.start(after=_wait_started)
+
+    shell.events.register("post_run_cell", once)
+
+
+# Start the template now, in the background, so the first call does not pay for
+# importing torch; in a kernel, between cells, what this process's first DDP needs.
+# Not in our own children (ranks and the template itself).
 if os.environ.get("MPIFY_NB_CHILD") != "1" and get_start_method() == "template" \
         and os.environ.get("MPIFY_NB_PREWARM", "1") != "0":
     from .start.template import prewarm as _prewarm
+    from .start.template import wait_started as _wait_started
+    from .torchdist import warmup as _warmup
 
+    _warmup.when_imported(_after_warmup)
     _prewarm()
+    _warm_when_idle()

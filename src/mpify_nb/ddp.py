@@ -68,9 +68,9 @@ class TorchDDPCtx:
     def __getstate__(self) -> dict:
         return {"backend": self.backend, "gpus": self.gpus, "timeout": self.timeout, "on_cpu": self._on_cpu}
 
-    def __setstate__(self, state: dict) -> None:
-        self.__init__()
+    def __setstate__(self, state: dict) -> None:  # in a rank: no warm-up of the notebook's DDP here
         self.backend, self.gpus, self.timeout = state["backend"], state["gpus"], state["timeout"]
+        self._saved = []
         self._on_cpu = state.get("on_cpu", False)
 
     def __repr__(self) -> str:

@@ -50,12 +50,13 @@ from typing import Any, Callable, Optional
 from ..engine import background, core, interrupts, members
 from ..rank import checks as rank_checks
 from ..relay.pipes import OutputRelay
-from ..start import environ, placement, template
+from ..start import environ, placement
 from ..torchdist import compat, rendezvous, waits
 from ..wire import framing, payload, shm
 from ..wire.errors import RankError, RemoteFailure, safe_str
-from ..wire.protocol import CALL, DONE, FAIL, GO, IMPORTED, READY, pack
+from ..wire.protocol import CALL, DONE, FAIL, GO, GPU_USED, IMPORTED, READY, pack
 from . import own_rank
+from .next_call import ForNextCall
 from .outcome import Outcome
 from .watched import WatchedCall
 
@@ -89,7 +90,6 @@ class Call(WatchedCall):
         self.caller_rank = caller_rank
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.timeout = timeout
-        self.imported: list[tuple[str, Optional[str]]] = []  # modules the ranks imported (start/preload.py)
         self.aborting = False  # we are stopping the ranks: their deaths are no news
         self.finished = False  # the caller's own rank is done; the watch may end
         self.own_returned = False  # the caller's own rank returned from fn
@@ -101,7 +101,7 @@ class Call(WatchedCall):
         self.outcome = Outcome(self._stop_everything, self.engine.wake)
         self.engine.user_waits.open_prompts()  # ranks' reads of stdin, asked of the user (on this thread)
         self.engine.on(READY, self._on_ready)
-        self.engine.on(IMPORTED, self._on_imported)
+        self.news = ForNextCall(self.engine)  # what the ranks imported, the GPUs they used
         self.engine.on(DONE, self._on_value)
         self.engine.on(FAIL, self._on_error)
         self.engine.on_death = self._on_death
@@ -140,6 +140,7 @@ class Call(WatchedCall):
         watcher: Optional[threading.Thread] = None
         placer = placement.get_placer()
         try:
+            self._ready(placer)
             layout = self.layout = placer.reserve(self.nprocs, self.caller_rank, self._time_left())
             env = _world_env(layout, self.nprocs, self.caller_rank)
             self._start_ranks(placer, layout, packed, env)
@@ -194,8 +195,7 @@ class Call(WatchedCall):
                 self.unquiet()
             if state.environ is not None:
                 environ.set_caller_environ(None)
-            if self.ranks and placement.get_start_method() == "template":
-                template.learn(self.imported)  # what the ranks imported, preloaded for the next calls
+            self.news.call_ended(placer, self.ranks)  # spare ranks for the next call
 
     # -- starting ranks ------------------------------------------------------------------
 
@@ -230,6 +230,13 @@ class Call(WatchedCall):
             except OSError:
                 pass  # it died at birth; the watch reports how
         layout.let_go_of_store()
+
+    def _ready(self, placer: placement.Placer) -> None:
+        """Wait until ranks can start. The template's preparation (its start: it imports torch; its
+        imports of what the ranks need) is a one-time cost, not the call's: the deadline moves by it."""
+        prepared = placer.ready(self._time_left())
+        if self.deadline is not None:
+            self.deadline += prepared
 
     def _time_left(self) -> Optional[float]:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
@@ -276,12 +283,6 @@ class Call(WatchedCall):
 
     def _on_ready(self, handle: _Rank, req: int, body: Any, fds: list) -> None:
         handle.ready = True
-
-    def _on_imported(self, handle: _Rank, req: int, body: Any, fds: list) -> None:
-        try:
-            self.imported.extend(pickle.loads(body))
-        except Exception:
-            pass
 
     def _on_value(self, handle: _Rank, req: int, body: Any, fds: list) -> None:
         handle.done = True
@@ -342,7 +343,7 @@ class Call(WatchedCall):
 
     def _read_sent(self, handle: _Rank) -> None:
         """Handle the answers ``handle`` has already sent, without waiting for more."""
-        self.engine.read_sent(handle, lambda: not handle.done, (READY, IMPORTED, DONE, FAIL))
+        self.engine.read_sent(handle, lambda: not handle.done, (READY, IMPORTED, GPU_USED, DONE, FAIL))
 
     # -- the caller's own rank -----------------------------------------------------------
 

@@ -51,7 +51,9 @@ def ranch(
         imports: import statements to run in every rank's ``__main__`` first (mpify compatibility);
             on the caller's rank too, so the notebook keeps the names they import.
         timeout: seconds for the whole call; past it every rank is stopped and
-            ``TimeoutError`` is raised.
+            ``TimeoutError`` is raised. Counted from when the template is ready: its one-time
+            preparation (importing torch at a kernel's first call, then what the ranks need) is
+            not the call's time, and has limits of its own (120 s to start, 60 s a module).
         wait: False: return a :class:`BackgroundWork` at once, and run the call in the
             background, the caller's rank on a thread of this process; its ``result()`` is
             what the call returns. Its output goes to the cell that started it; the

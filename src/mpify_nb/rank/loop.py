@@ -46,17 +46,14 @@ from ..torchdist import p2p, rendezvous, waits
 from ..wire import framing, payload
 from ..wire.errors import RemoteFailure, safe_str
 from ..wire.protocol import CALL, DONE, FAIL, IMPORTED, NO_REQUEST, READY, RETURNED, pack, unpack
-from . import checks, control, process, session
+from . import checks, control, imports_news, process, session
 from .control import RankState
-
-#: The modules this rank was born with (the template's): what it imports beyond them is news.
-_born_with: set[str] = set()
 
 
 def main(channel_fd: int, expected_parent: int) -> None:
     """Run one rank to completion on the socket ``channel_fd``; never returns."""
     process.die_with_parent(expected_parent)
-    _born_with.update(sys.modules)
+    imports_news.born()
     # Whatever the user's code starts (subprocesses, DataLoader workers, daemons that fork
     # twice) stays below this process: orphans are re-parented to us, not to init, so
     # process.end() finds and kills them all. A process group of its own lets the caller kill
@@ -128,6 +125,7 @@ def _one_call(channel: socket.socket, state: RankState, req: int, body: Any, fds
     # Every init_process_group of the call goes to its store (torchdist/rendezvous.py); every group
     # made is held against a deadlock in torch (torchdist/groups.py: keep_groups).
     rendezvous.activate(host=os.environ.get(rendezvous.HOST_VARIABLE) == rank, host_socket=store)
+    imports_news.watch(lambda news: control.to_caller(IMPORTED, news))  # the template imports them too, meanwhile
     try:
         fn, args, kwargs, ctx, needed, imports = payload.unpack_call(body, fds, windows=windows)
         main_dict = sys.modules["__main__"].__dict__
@@ -176,7 +174,7 @@ def _one_call(channel: socket.socket, state: RankState, req: int, body: Any, fds
                       f"the value returned by rank {rank} ({type(value).__name__}) cannot be pickled")
         process.end(0)
     process.flush_stdio()  # everything printed reaches the caller before the value does
-    _report_imports(channel, req)
+    imports_news.report(channel, req)
     control.send(channel, pack(DONE, req, data), out_fds)
     if rendezvous.hosting():
         threading.Event().wait()  # the caller ends us (or our control thread, when it goes)
@@ -252,19 +250,8 @@ def _send_failure(channel, req: int, exc: BaseException, context: str = "",
             exc = wrapped
     reply = _failure(exc, req, state.rank if state is not None else -1)
     process.flush_stdio()
-    _report_imports(channel, req)
+    imports_news.report(channel, req)
     control.send(channel, reply)
-
-
-def _report_imports(channel, req: int) -> None:
-    """Tell the caller which modules this call imported here, so a later template can hold them."""
-    try:
-        news = [(name, getattr(module, "__file__", None)) for name, module in list(sys.modules.items())
-                if name not in _born_with and module is not None]
-        if news:
-            control.send(channel, pack(IMPORTED, req, pickle.dumps(news)))
-    except Exception:
-        pass  # only a speed-up is lost
 
 
 if __name__ == "__main__":  # the spawn path: python -c "...main(fd, ppid)"

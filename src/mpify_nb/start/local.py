@@ -11,7 +11,7 @@ import subprocess
 import sys
 from typing import Optional
 
-from . import oom, template, template_client
+from . import oom, spares, template, template_client
 from .environ import bootstrap_env, own_process_group
 from .placer import Layout, RankProcess, free_port
 
@@ -19,6 +19,9 @@ from .placer import Layout, RankProcess, free_port
 class _OnThisMachine:
     ships_environ = True
     _layout: Optional[Layout] = None
+
+    def ready(self, timeout: Optional[float]) -> float:
+        return 0.0  # nothing to start first
 
     def reserve(self, nprocs: int, caller_rank: Optional[int], timeout: Optional[float]) -> Layout:
         self._layout = Layout.on_this_machine(nprocs)
@@ -86,7 +89,7 @@ class _ForkedRank(_Pidfd):
         self._client = client
         self._code: Optional[int] = None
         #: the modules it was born holding (its template's): a call need not ask it to import them
-        self.modules_held: Optional[frozenset[str]] = client.modules
+        self.modules_held: Optional[frozenset[str]] = client.born_with(pid)
 
     def exit_code(self, timeout: float) -> Optional[int]:
         if self._code is None:
@@ -102,11 +105,23 @@ class _ForkedRank(_Pidfd):
 
 class TemplatePlacer(_OnThisMachine):
     def __init__(self) -> None:
-        self._client = template.get_template()
+        self._client: Optional[template_client.TemplateClient] = None
+
+    def ready(self, timeout: Optional[float]) -> float:
+        """Wait for the template to start and to hold what the ranks need; return the seconds that
+        took (no call's timeout counts them: start/template.py)."""
+        self._client, waited = template.ready_for_call()
+        return waited
 
     def start(self, rank: int, channel_fd: int, stdout_fd: int, stderr_fd: int,
               timeout: Optional[float] = None) -> RankProcess:
+        if self._client is None:
+            self.ready(timeout)
         fds = [channel_fd, stdout_fd, stderr_fd]
+        assert self._client is not None
+        spare = spares.pool.take(self._client, rank)  # forked before the call, ready on its GPU
+        if spare is not None and spares.pool.adopt(spare, fds):
+            return _ForkedRank(self._client, spare.pid)
         limit = _TEMPLATE_PATIENCE if timeout is None else timeout
         try:
             pid = self._fork(fds, limit)
@@ -114,26 +129,29 @@ class TemplatePlacer(_OnThisMachine):
             if timeout is None:
                 raise
             raise TimeoutError(f"rank {rank} could not be started within the call's timeout: {e}") from None
+        assert self._client is not None
         return _ForkedRank(self._client, pid)
 
     def _fork(self, fds: list[int], limit: float) -> int:
         died = False
         for _ in range(_RETIRED_TRIES):
+            assert self._client is not None
             try:
                 return self._client.fork(fds, limit)
             except template_client.TemplateUnresponsive:
                 raise
             except template_client.TemplateRetired:
-                pass  # replaced since this call began (a preloaded one is in): the current one forks it
+                pass  # replaced since this call began (a module made it unsafe): the current one forks it
             except template_client.TemplateDied:
                 if died:
                     raise
                 died = True  # died since we last used it (killed, OOM): one fresh template, then give up
             self._client = template.get_template()
+        assert self._client is not None
         return self._client.fork(fds, limit)
 
 
-#: Seconds a call without a timeout waits for the template to start (it imports torch) and fork.
+#: Seconds a call without a timeout waits for the template to fork a rank.
 _TEMPLATE_PATIENCE = 120.0
 #: Templates a call asks for one rank when each retires (is replaced) under it.
 _RETIRED_TRIES = 3

@@ -114,6 +114,11 @@ class Placer(Protocol):
     #: machine; on another host a rank keeps its own environment (PATH, CUDA_VISIBLE_DEVICES...).
     ships_environ: bool
 
+    def ready(self, timeout: Optional[float]) -> float:
+        """Wait until ranks can be started (the template has started, and holds what they need);
+        return the seconds that took: a one-time preparation, which no call's timeout counts."""
+        ...
+
     def reserve(self, nprocs: int, caller_rank: Optional[int], timeout: Optional[float]) -> Layout:
         """Reserve room for every rank (all or none) and say where each lands."""
         ...

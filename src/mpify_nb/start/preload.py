@@ -1,31 +1,32 @@
-"""What the template preloads: the installed modules the ranks need, learned call after call.
+"""What the template holds: the installed modules the ranks need, learned call after call.
 
 A rank forked from a template that holds only torch imports everything else ``fn`` uses
-on every call: ~0.1 s for accelerate, ~1 s for transformers, ~3 s for lightning. A
+on every call: ~0.1 s for accelerate, ~1 s for transformers, ~3 s for lightning, ~1.5-4 s for
+``torch._dynamo`` (what ``DistributedDataParallel(...)`` imports the first time). A
 fork-based launcher (``notebook_launcher``, ``ddp_notebook``) inherits those modules from
-the notebook for free. So the template comes to hold them too::
+the notebook for free. So the template comes to hold them too, and grows in place
+(start/template.py)::
 
-    rank (end of call)  -- IMPORTED [(name, file)...] -->  caller: learn()   modules it imported
-        wanted() - what the template holds - what failed before
-          |  non-empty
+    before a call: the notebook's installed modules (installed_for_call: every rank imports
+        them before its call, wire/modules.py), and wanted(): the named ones and those
+        earlier calls' ranks imported
+    during a call: a rank reports what it imports (IMPORTED, every ~0.1 s) -> learn()
+          |  what the template lacks, less what failed before
           v
-    template.refresh(): a fresh template starts in the background, imports them one by one
-        (a module that fails is skipped and remembered; one that initializes CUDA, starts
-        a Python thread or leaves a child process running makes that template unusable: it
-        is remembered and left out next time)
-          |  ready
-          v
-    the next call's get_template() swaps it in; the old one ends once its ranks are gone
+    GROW: the template imports them one at a time between forks (a module that fails is
+        skipped and remembered; one that initializes CUDA, starts a Python thread or leaves a
+        child process running makes that template fork no more: it is remembered and left
+        out of the next template)
 
-The current call never waits for it. Only modules installed under a ``site-packages``
-(or ``dist-packages``) directory or in the standard library are ever preloaded, never a
-module from the notebook's working directory (the user edits those; a rank must import
-their current version). Names given with ``set_preload`` (start/template.py) are preloaded too.
+Only modules installed under a ``site-packages`` (or ``dist-packages``) directory or in the
+standard library are ever imported there, never a module from the notebook's working directory
+(the user edits those; a rank must import their current version). Names given with
+``set_preload`` (start/template.py) are preloaded too.
 
-Only what the ranks imported: a module's import runs its side effects (a log line, a helper
+Only what the ranks import anyway: a module's import runs its side effects (a log line, a helper
 process, a file written) once more, in the template, and that is harmless only for a module
 every rank imports anyway. Ranks import what the notebook imported before they load a call
-(wire/modules.py), so that is what the template comes to hold; it only makes calls faster.
+(wire/modules.py), and the template holding it only makes calls faster.
 
 Turn it off with ``set_preload(False)`` or ``MPIFY_NB_PRELOAD=0``; name modules with
 ``set_preload(["transformers.trainer"])`` or ``MPIFY_NB_PRELOAD=transformers.trainer,lightning``.
@@ -34,10 +35,12 @@ Turn it off with ``set_preload(False)`` or ``MPIFY_NB_PRELOAD=0``; name modules 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Iterable, Sequence
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
+from ..wire import modules as rank_imports
 from ..wire.modules import Roots, inside, site_paths  # noqa: F401  (site_paths: template.py asks us)
 
 _lock = threading.Lock()
@@ -108,6 +111,28 @@ def wanted(cwd: Optional[str] = None) -> list[str]:
     # Nor the submodules of a package left out: importing one imports the package again, and each
     # would cost a whole new candidate template to find out (ranks import all the notebook's modules).
     return [n for n in names if not inside(n, failed_now)]
+
+
+_for_call: dict[str, Any] = {}  # the last answer of installed_for_call, and what it was made from
+
+
+def installed_for_call(cwd: Optional[str] = None) -> list[str]:
+    """The installed modules every rank imports before its call (the notebook's: wire/modules.py),
+    less those that failed in a template; [] when preloading is off."""
+    if not _enabled:
+        return []
+    names = rank_imports.for_call()  # the same tuple while the notebook's modules are unchanged
+    with _lock:
+        failed_now = set(_failed)
+    key = (names, cwd, len(failed_now))
+    known = _for_call.get("last")  # (key, answer), set in one step: another thread may read it meanwhile
+    if known is not None and known[0] == key:
+        return known[1]
+    roots = Roots(cwd)
+    installed = [n for n in names if roots.installed(getattr(sys.modules.get(n), "__file__", None))]
+    answer = [n for n in installed if not inside(n, failed_now)]
+    _for_call["last"] = (key, answer)
+    return answer
 
 
 def _wanted_name(name: str) -> bool:

@@ -1,11 +1,12 @@
-"""The template: a warm, never-used process that ranks are forked from.
+"""The template: a warm, never-used process that ranks are forked from, and what it holds.
 
 A fresh interpreter that imports torch costs ~1.6 s; a fork of one that already
 did costs ~15 ms. The template is that already-warm interpreter. It is started
 with spawn semantics (a new ``python``), imports torch and this library, and then
-does nothing but fork ranks on request. It never touches CUDA, never runs user
-code and never starts threads, so a fork of it is as clean as a spawn: the
-notebook may have initialized CUDA, and nothing of one call leaks into the next.
+does nothing but fork ranks on request and, between two forks, import the modules
+its ranks need. It never touches CUDA, never runs user code and never starts threads,
+so a fork of it is as clean as a spawn: the notebook may have initialized CUDA, and
+nothing of one call leaks into the next.
 
 The caller's handle on one template process is start/template_client.py's ``TemplateClient``;
 this module keeps the current one (and a candidate preloading beside it)::
@@ -23,28 +24,22 @@ itself from the call's setup message, so they are those of each call. The
 template is restarted when it died or when a variable that matters at import
 time (PYTHONPATH, LD_PRELOAD, thread counts...) changed since it started.
 
-Preloading (what to preload: start/preload.py; ``set_preload`` here chooses it and acts on the
-template at once). The first message a template gets names
-modules to import before it serves forks. After a call, if the ranks or the notebook
-imported modules the current template lacks, a *candidate* template is started with
-all of them; the current one keeps serving meanwhile::
+It grows in place (what: start/preload.py; ``set_preload`` here chooses it). Every module a
+rank would import before its call (the notebook's installed ones: wire/modules.py) and every
+one earlier calls' ranks imported is asked of it (GROW), and it imports them one at a time,
+between forks, so a fork never lands in an import::
 
-    refresh()  -- lacks? (HAS names) ------------> current template: [names it holds]
-               -- new TemplateClient(wanted) ----> candidate: import one by one
-                                                   ("trying" name, ... READY failed)
-    get_template(): candidate READY  -> it becomes the template; the old one retires
-                                        (ends once its last rank has exited)
-                    candidate rejected (CUDA, thread, process) or died -> the module is
-                                        remembered as failed; refresh() again
+    call starts: ready_for_call() ── GROW (what is wanted and it lacks) ──> template imports them
+                 waits until it holds them (the ranks would import them anyway; the template
+                 does it once for all of them), then forks: a rank imports only what is left
+    during the call: a rank's IMPORTED news (every ~0.1 s) ── learn() ── GROW ──> template
+                 imports them beside the call, so the next call finds them held
+    a module that initializes CUDA, starts a thread or a process at import: the template
+                 forks no more (REJECTED) and ends with its last rank; the module is
+                 remembered and left out, and a new template takes over
 
-Retiring is race-free: a template counts a rank from the moment a FORK is asked of it, not
-from its FORKED answer, so one that retires while it forks a rank lives on for that rank; and
-a retiring template forks nothing more (``TemplateRetired``: the placer asks the current one).
-
-No call waits for a preload: a call that must start a template (none yet, it died, or a
-variable read at import time changed) stops the candidate being preloaded (it would take half
-the machine from the start the call waits for; it is started again after the call), and no
-candidate starts while the current template is still starting.
+The result of a call never depends on what the template held: a rank imports, before
+its call, whatever of the notebook's modules it was not born with (``born_with``).
 
 The template is made, and judged, with the notebook's own environment: while a call plays a
 rank in this process, ``os.environ`` holds that rank's variables (``OMP_NUM_THREADS=1``,
@@ -55,6 +50,7 @@ rank in this process, ``os.environ`` holds that rank's variables (``OMP_NUM_THRE
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -66,108 +62,134 @@ from .template_client import TemplateClient, TemplateDied, TemplateUnresponsive 
 
 _lock = threading.Lock()
 _client: Optional[TemplateClient] = None
-_candidate: Optional[TemplateClient] = None  # a fresh template preloading in the background
+_on_replaced: list[Callable[[TemplateClient], None]] = []  # told when a template stops serving (spare ranks)
+
+#: Seconds a template may take to start (it imports torch): no call's timeout counts them.
+START_PATIENCE = 120.0
+#: Seconds one module's import in the template may take before the template is given up (a
+#: module that waits on the network?): it is then left out, and a new template takes over.
+STEP_PATIENCE = 60.0
 
 
 def get_template() -> TemplateClient:
-    """The current template, started (or restarted) as needed. A preloading template that
-    is ready by now takes over; one still importing is not waited for."""
-    global _client, _candidate
+    """The current template, started (or restarted) as needed."""
+    global _client
     with _lock:
-        _settle_candidate()
-        if _client is not None and (not _client.alive() or _client.retiring
-                                    or _client.env_signature != _env_signature()):
-            if _client.alive():
-                _client.retire(wait=False)  # a Session's ranks live on in it: it ends when they do
-            else:
-                _client.close("it had died")
+        old = _client
+        if old is not None and (not old.alive() or old.retiring or old.rejected is not None
+                                or old.env_signature != _env_signature()):
+            if old.rejected is not None:
+                preload.mark_failed(*old.rejected)
             _client = None
+            if old.alive():
+                old.retire(wait=False)  # a Session's ranks live on in it: it ends when they do
+            else:
+                old.close("it had died")
         if _client is None:
-            if _candidate is not None:
-                # A call waits for the template we start now: a preload beside it would take half the
-                # machine. It starts again after the call (refresh), with this environment.
-                _candidate.abandon("a call needed a template at once")
-                _candidate = None
-            # Only what the user named: nothing learned is worth a wait. The rest comes in the background.
-            _client = TemplateClient(preload.named() if preload.enabled() else (), preload.site_paths())
-        return _client
+            _client = TemplateClient(first_wanted(), preload.site_paths())
+        client = _client
+    if old is not None and old is not client:
+        for hook in list(_on_replaced):
+            hook(old)
+    return client
 
 
-def _settle_candidate() -> bool:
-    """With _lock held: swap in the candidate if it is ready; forget it (remembering the
-    module it failed on) if it died. True when it is settled (or there is none)."""
-    global _client, _candidate
-    c = _candidate
-    if c is None:
-        return True
-    if c.rejected is not None or (not c.alive() and not c._ready):
-        if c.rejected is not None:
-            preload.mark_failed(*c.rejected)
-        elif c.trying is not None:
-            preload.mark_failed(c.trying, "the template process died while importing it")
-        c.close("a preload failed in it")
-        _candidate = None
-        return True
-    usable = c.env_signature == _env_signature() and preload.enabled()
-    if usable and not c.ready:
-        return False
-    _candidate = None
-    if c.ready:
-        for name, why in c.failed.items():
-            preload.mark_failed(name, why)
-    if not usable:  # ready or not: it can never serve
-        c.abandon("a variable read at import time changed, or preloading was turned off")
-        return True
-    old, _client = _client, c
-    if old is not None:
-        old.retire(wait=False)  # its ranks, and those it is forking now, live on in it
-    return True
+def first_wanted() -> list[str]:
+    """What a new template imports right after torch: the named modules."""
+    return preload.named() if preload.enabled() else []
+
+
+def on_replaced(hook: Callable[[TemplateClient], None]) -> None:
+    """Call ``hook(old)`` whenever a template stops serving (replaced, retired, shut down)."""
+    if hook not in _on_replaced:
+        _on_replaced.append(hook)
+
+
+def ready_for_call() -> tuple[TemplateClient, float]:
+    """The template to fork a call's ranks from, holding what they need, and the seconds spent
+    waiting for it: for it to start (it imports torch: a fresh kernel's first call, or after a
+    variable read at import time changed) and to import what the ranks need (the notebook's
+    libraries, what earlier calls' ranks imported). No call's timeout counts them: it is the
+    template's one-time preparation, not the call's work, and each part has its own limit
+    (START_PATIENCE for the start, STEP_PATIENCE for each module). Raises TemplateUnresponsive
+    when it does not start."""
+    t0 = time.monotonic()
+    for _ in range(_TRIES):
+        client = get_template()
+        client.wait_ready(START_PATIENCE)
+        if not preload.enabled():
+            return client, time.monotonic() - t0
+        _settle_learning()
+        wanted = first_wanted() + wanted_now()
+        client.grow(wanted, preload.site_paths())
+        try:
+            client.wait_grown(None, STEP_PATIENCE, wanted)
+        except TemplateUnresponsive:  # stuck in one import: leave that module out, start over
+            stuck = client.trying
+            if stuck is not None:
+                preload.mark_failed(stuck, f"its import took over {STEP_PATIENCE:.0f} s in the template")
+            _replace(client)
+            continue
+        except TemplateDied:
+            continue  # get_template() starts a new one
+        _remember_failures(client)
+        if client.rejected is None:
+            return client, time.monotonic() - t0
+    return get_template(), time.monotonic() - t0  # one that forks: its ranks import what it lacks
+
+
+#: Templates a call tries before it forks from one that lacks what it wanted.
+_TRIES = 3
+
+
+def wanted_now() -> list[str]:
+    """What the template should hold for the next call: the named and learned modules
+    (start/preload.py), and the installed ones a rank imports before its call (wire/modules.py)."""
+    try:
+        cwd: Optional[str] = os.getcwd()
+    except OSError:
+        cwd = None
+    return preload.wanted(cwd) + preload.installed_for_call(cwd)
+
+
+def _replace(client: TemplateClient) -> None:
+    global _client
+    with _lock:
+        if _client is not client:
+            return
+        _client = None
+    client.retire(wait=False)
+    for hook in list(_on_replaced):
+        hook(client)
+
+
+def _remember_failures(client: TemplateClient) -> None:
+    for name, why in client.failed.items():
+        preload.mark_failed(name, why)
+
+
+def grow_now(names: Sequence[str]) -> None:
+    """Ask the current template to hold ``names`` too (the notebook's warm-up: what the first DDP
+    imports), in the background, as if ranks had imported them; never waits, starts none."""
+    if not preload.enabled():
+        return
+    failed = preload.failed()
+    preload.learn([(n, getattr(sys.modules.get(n), "__file__", None)) for n in names if n not in failed])
+    refresh()
 
 
 def refresh(cwd: Optional[str] = None) -> None:
-    """Start, in the background, a template that holds every module the ranks are known to
-    need (see start/preload.py), unless the current one holds them all. Never waits for it."""
-    global _candidate
+    """Ask the current template to hold every module the ranks are known to need (see
+    start/preload.py), in the background; never waits for it. Starts no template."""
     if not preload.enabled():
         return
-    want = preload.wanted(cwd)
-    with _lock:
-        _settle_candidate()
-        if _candidate is not None or not want:
-            return  # one is on its way; once it is in, the next refresh adds what it lacks
-        current = _client
-        if current is None or not current.ready:
-            # None or dead: the next call starts one (with the named modules); then we add the rest.
-            # Still starting: a call may be waiting for it, and a preload would slow it down.
-            return
-    held = current.holds()
-    missing = [n for n in want if n not in held]
-    if not missing or not current.lacks(missing):  # asked without _lock: a call may want a fork now
-        return
-    with _lock:
-        if _candidate is not None or current is not _client:
-            return  # someone else got there first
-        _candidate = TemplateClient(want, preload.site_paths())
-        candidate = _candidate
-    in_background(_watch_candidate, candidate, cwd)
+    client = _client
+    if client is not None and client.alive():
+        client.grow(preload.wanted(cwd), preload.site_paths())
 
 
-def _watch_candidate(candidate: TemplateClient, cwd: Optional[str]) -> None:
-    try:
-        candidate.wait_ready(timeout=_PRELOAD_PATIENCE)
-    except TemplateDied:
-        pass
-    global _candidate
-    with _lock:
-        if _candidate is candidate and not _settle_candidate():
-            candidate.close()  # stuck importing something (a network wait?): give up on it
-            if candidate.trying is not None:
-                preload.mark_failed(candidate.trying, f"its import took over {_PRELOAD_PATIENCE:.0f} s")
-            _candidate = None
-    refresh(cwd)  # what it failed on is left out now, and more may be wanted by now
-
-
-_busy = 0  # background work under way that may start or swap in a template (wait_preloaded waits for it)
+_busy = 0  # background work under way that may make the template grow (wait_preloaded waits for it)
+_busy_done = threading.Condition(_lock)
 
 
 def in_background(work: Callable[..., None], *args: Any) -> None:
@@ -181,15 +203,24 @@ def in_background(work: Callable[..., None], *args: Any) -> None:
         finally:
             with _lock:
                 _busy -= 1
+                _busy_done.notify_all()
 
     with _lock:
         _busy += 1
     threading.Thread(target=run, name="mpify_nb-preload", daemon=True).start()
 
 
+def _settle_learning(timeout: float = 5.0) -> None:
+    """Let what the last call's ranks reported reach preload's memory before the next call asks."""
+    with _lock:
+        _busy_done.wait_for(lambda: not _busy, timeout)
+
+
 def learn(imported: list) -> None:
-    """A call's ranks imported these modules (start/preload.py): let the template come to hold
-    them, in the background, for the next calls (the call has returned, and this never makes it wait)."""
+    """A rank imported these modules ((name, file) pairs, start/preload.py): let the template come to
+    hold them, in the background, for the next calls (this never makes a call wait)."""
+    if not preload.enabled() or not imported:
+        return
     try:
         cwd = os.getcwd()
     except OSError:
@@ -205,43 +236,39 @@ def _learn(imported: list, cwd: str) -> None:
         pass  # only a speed-up is lost
 
 
-#: Seconds a preloading template may take before it is given up.
-_PRELOAD_PATIENCE = 600.0
-
-
 def wait_preloaded(timeout: Optional[float] = None) -> bool:
-    """Wait until no preloading template is on its way (it took over, or failed); True if so."""
+    """Wait until the template holds what it was asked to hold (or failed on it); True if so."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        with _lock:
-            settled = _settle_candidate() and not _busy
-        if settled:
-            return True
-        if deadline is not None and time.monotonic() > deadline:
+    with _lock:
+        if not _busy_done.wait_for(lambda: not _busy, timeout):
             return False
-        time.sleep(0.02)
+    client = _client
+    if client is None or not client.alive():
+        return True
+    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+    try:
+        done = client.wait_grown(left, STEP_PATIENCE if left is None else max(left, STEP_PATIENCE))
+    except TemplateDied:
+        return True  # nothing is on its way any more
+    _remember_failures(client)
+    return done
 
 
 def drop_preloaded() -> None:
-    """Preloading was turned off: stop a candidate, and retire a template that holds more than torch."""
-    global _client, _candidate
-    with _lock:
-        if _candidate is not None:
-            _candidate.abandon("preloading was turned off")
-            _candidate = None
-        if _client is not None and _client.holds():
-            _client.retire(wait=False)
-            _client = None
+    """Preloading was turned off: retire a template that holds more than torch."""
+    client = _client
+    if client is not None and (client.holds() or client.growing):
+        _replace(client)
 
 
 def set_preload(modules: Union[bool, Sequence[str]] = True) -> None:
     """Choose what the template that ranks are forked from holds, besides torch and numpy.
 
-    ``True`` (the default): the installed modules ranks imported in earlier calls are
-    preloaded by a fresh template, started in the background and used from the first call
-    after it is ready (what only the notebook imported is not: its import-time side effects
-    would run once more). A list of module names: those too, from now
-    on. ``False``: nothing more than torch and numpy (ranks import the rest on every call);
+    ``True`` (the default): the template comes to hold the installed modules the ranks import:
+    those the notebook imported (every rank imports them before its call) and those ranks
+    imported in earlier calls. It imports them itself, between two calls' forks, so from the
+    second call on no rank imports them again. A list of module names: those too, from now on.
+    ``False``: nothing more than torch and numpy (ranks import the rest on every call);
     the next call starts from a template without anything preloaded.
 
     Preloading never imports a module from the notebook's working directory or from outside
@@ -272,6 +299,18 @@ def prewarm() -> None:
         pass  # the first call will try again and report what is wrong
 
 
+def wait_started(timeout: float = START_PATIENCE) -> bool:
+    """Wait until the current template (if any: none is started) has started; True if it has."""
+    client = _client
+    if client is None:
+        return False
+    try:
+        client.wait_ready(timeout)
+    except TemplateDied:
+        return False
+    return True
+
+
 def current_pid() -> Optional[int]:
     """The pid of the running template, if any (without starting one)."""
     client = _client
@@ -284,13 +323,14 @@ def shutdown() -> bool:
     Ranks forked from it die with it, so while some live (an open Session's, a call running on
     another thread) it is not stopped: it ends once they have exited, and a RuntimeWarning says
     so. Returns True when it is gone now."""
-    global _client, _candidate
+    global _client
     with _lock:
-        if _candidate is not None:
-            _candidate.abandon("preloading was stopped by shutdown()")
-            _candidate = None
         client, _client = _client, None
-    if client is None or client.retire():
+    if client is None:
+        return True
+    for hook in list(_on_replaced):
+        hook(client)  # its spare ranks go first: they are no one's ranks
+    if client.retire():
         return True
     import warnings
 
@@ -298,5 +338,3 @@ def shutdown() -> bool:
                   "live ranks (an open Session's, or a call's): it ends when they do, so close the Session to "
                   "free its memory", RuntimeWarning, stacklevel=2)
     return False
-
-

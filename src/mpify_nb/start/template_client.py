@@ -1,15 +1,22 @@
-"""The caller's handle on one template process (start/template.py keeps the current one):
-start it, ask it for ranks, hear their exits, retire it, close it.
+"""The caller's handle on one template process (start/template.py keeps the current one and
+chooses what it grows): start it, make it grow, ask it for ranks, hear their exits, retire it,
+close it.
 
 ::
 
-    caller (TemplateClient)                  template (template_process.serve)
-      | -- ("preload", names, paths) -------->| import one by one ("trying" name ... READY)
-      | -- FORK id + fds [channel, out, err] -->| os.fork() a rank
-      |<------------------- FORKED id, pid -----|
+    caller (TemplateClient)                   template (template_process.Template)
+      | -- ("start", names, paths) ---------->| import torch; READY, its sys.modules
+      | -- GROW names, paths ----------------->| queued; imported one by one, between frames:
+      |<------------------ TRYING name --------|
+      |<-- GREW name, new modules, failure ----|  (or REJECTED name, why: it forks no more)
+      | -- FORK id [role] + fds --------------->| os.fork(): a rank (or a spare rank)
+      |<------------------- FORKED id, pid -----|  (or REFUSED id, why)
       |<---------------- EXITED pid, status ----|
-      | -- HAS id, names ---------------------->| (which of them it holds)
+      | -- RETIRE ----------------------------->| (drops its queue)
       |  (control socket closes: caller died)   | SIGKILL every rank it forked, exit
+
+What a rank holds when it is born is what its template held when it forked it: the GREW
+answers before its FORKED (one socket, in order), so ``born_with(pid)`` is exact.
 """
 
 from __future__ import annotations
@@ -23,12 +30,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from typing import NoReturn, Optional
+from collections.abc import Iterable, Sequence
+from typing import Callable, NoReturn, Optional
 
 from ..wire import framing
 from .environ import _env_signature, bootstrap_env, own_process_group
-from .template_process import EXITED, FORK, FORKED, HAS, READY
+from .template_process import EXITED, FORK, FORKED, GREW, GROW, READY, REFUSED, REJECTED, RETIRE, TRYING
 
 
 class TemplateDied(RuntimeError):
@@ -69,13 +76,81 @@ def _forget_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-class TemplateClient:
-    """Starts a template process and asks it for ranks. Thread-safe."""
+class Holdings:
+    """What one template holds and is importing, as its answers tell (guarded by its client's lock)."""
 
-    def __init__(self, preload: Sequence[str] = (), paths: Sequence[str] = ()) -> None:
+    def __init__(self) -> None:
+        self.modules: set[str] = set()  # its sys.modules
+        self._frozen: frozenset[str] = frozenset()
+        self.grown: set[str] = set()  # names it was asked to hold and holds
+        self.queued: dict[str, None] = {}  # asked, not answered yet (in order)
+        self.failed: dict[str, str] = {}  # name -> why its import failed there
+        self.rejected: Optional[tuple[str, str]] = None  # (module, why) that made it unusable
+        self.trying: Optional[str] = None  # the module it imports now
+        self.trying_since = 0.0
+
+    def frozen(self) -> frozenset[str]:
+        if len(self._frozen) != len(self.modules):
+            self._frozen = frozenset(self.modules)
+        return self._frozen
+
+    def to_ask(self, names: Iterable[str]) -> list[str]:
+        """Those of ``names`` it neither holds, nor is importing, nor failed on; now queued."""
+        new = [n for n in dict.fromkeys(names)
+               if n not in self.modules and n not in self.queued and n not in self.failed]
+        self.queued.update(dict.fromkeys(new))
+        return new
+
+    def wait(self, cond: threading.Condition, dead: Callable[[], bool], timeout: Optional[float],
+             stuck_after: float, names: Optional[Iterable[str]]) -> Optional[str]:
+        """With ``cond`` held: wait until none of ``names`` (None: nothing) is queued. "" when so (or
+        the template is unusable), None when ``timeout`` ran out, else what went wrong: the module
+        stuck for over ``stuck_after`` s ("has been importing X for N s"), or "died" (``dead()``)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        wanted = None if names is None else set(names)
+
+        def waiting() -> bool:
+            return bool(self.queued) if wanted is None else any(n in wanted for n in self.queued)
+
+        while waiting() and not dead() and self.rejected is None:
+            now = time.monotonic()
+            stuck_at = (now if self.trying is None else self.trying_since) + stuck_after
+            if now >= stuck_at:
+                return f"has been importing {self.trying} for {now - self.trying_since:.0f} s"
+            if deadline is not None and now >= deadline:
+                return None
+            cond.wait(min(stuck_at, deadline if deadline is not None else stuck_at) - now)
+        return "died" if dead() and waiting() else ""
+
+    def on_reply(self, reply: tuple) -> None:
+        kind = reply[0]
+        if kind == READY:
+            self.modules.update(reply[3])
+        elif kind == TRYING:
+            self.trying, self.trying_since = reply[1], time.monotonic()
+        elif kind == GREW:
+            name, added, failure = reply[1:4]
+            self.modules.update(added)
+            self.queued.pop(name, None)
+            self.trying = None
+            if failure:
+                self.failed[name] = failure
+            else:
+                self.grown.add(name)
+        elif kind == REJECTED:
+            self.rejected = (reply[1], reply[2])
+            self.queued.clear()
+            self.trying = None
+
+
+class TemplateClient:
+    """Starts a template process, makes it grow, and asks it for ranks. Thread-safe."""
+
+    def __init__(self, grow: Sequence[str] = (), paths: Sequence[str] = ()) -> None:
         ours, theirs = framing.socketpair()
         self.env_signature = _env_signature()
         self._control = ours
+        self.started_at = time.monotonic()
         self._proc = subprocess.Popen(
             [sys.executable, "-c",
              "import sys; from mpify_nb.start.template_process import serve; serve(int(sys.argv[1]))",
@@ -94,22 +169,17 @@ class TemplateClient:
         self._dead = False
         self._next_id = 0
         self._forked: dict[int, int] = {}
+        self._refused: dict[int, str] = {}
         self._exited: dict[int, int] = {}
-        self.preload = list(preload)  # asked for; those that failed are in self.failed once ready
-        self.failed: dict[str, str] = {}
-        self.rejected: Optional[tuple[str, str]] = None  # (module, why) that made it unusable
-        self.trying: Optional[str] = None  # the module it was importing last
+        self._born: dict[int, frozenset[str]] = {}  # pid -> the modules it was born holding
+        self.held = Holdings()
         self._live: set[int] = set()  # ranks forked and not yet exited
         self._in_flight: set[int] = set()  # FORK requests not answered yet: ranks about to live
         self._closed_why = ""  # why this process closed it ("" while it has not)
         self._closing = False  # a thread is closing it
-        self._held: set[str] = set()  # modules it was found to hold besides those it preloaded
-        self._has: dict[int, list[str]] = {}
-        #: every module it holds (its sys.modules once ready): what a rank forked from it need not import
-        self.modules: Optional[frozenset[str]] = None
         self._retiring = False
         try:
-            framing.send(self._control, pickle.dumps(("preload", self.preload, list(paths))))
+            framing.send(self._control, pickle.dumps(("start", self.held.to_ask(grow), list(paths))))
         except OSError:
             pass  # it died at once: the reader sees it, and wait_ready() says so
         self._reader = threading.Thread(target=self._read_replies, name="mpify_nb-template-reader", daemon=True)
@@ -119,52 +189,125 @@ class TemplateClient:
     def ready(self) -> bool:
         return self._ready and self.alive()
 
-    def holds(self) -> set[str]:
-        """The modules it is known to hold (once ready)."""
-        return (set(self.preload) - set(self.failed)) | self._held
+    @property
+    def modules(self) -> Optional[frozenset[str]]:
+        """Every module it holds now (its sys.modules), once it is ready."""
+        with self._cond:
+            return self.held.frozen() if self._ready else None
 
-    def lacks(self, names: Sequence[str], timeout: float = 5.0) -> list[str]:
-        """Those of ``names`` it has not imported (all of them if it does not answer)."""
-        if not self.ready:
-            return list(names)
+    @property
+    def failed(self) -> dict[str, str]:
+        """The modules it was asked to hold whose import failed there, with why."""
+        return dict(self.held.failed)
+
+    @property
+    def rejected(self) -> Optional[tuple[str, str]]:
+        """(module, why) when a module made its forks unsafe: it forks nothing more."""
+        return self.held.rejected
+
+    @property
+    def trying(self) -> Optional[str]:
+        """The module it imports now, if any."""
+        return self.held.trying
+
+    def holds(self) -> set[str]:
+        """The modules it was asked to hold and holds (besides what every template holds)."""
         with self._cond:
-            request_id = self._next_id
-            self._next_id += 1
-        try:
-            with self._send_lock:
-                framing.send(self._control, pickle.dumps((HAS, request_id, list(names))))
-        except OSError:
-            return list(names)
+            return set(self.held.grown)
+
+    def lacks(self, names: Sequence[str]) -> list[str]:
+        """Those of ``names`` it does not hold (yet)."""
         with self._cond:
-            self._cond.wait_for(lambda: request_id in self._has or self._dead, timeout)
-            found = self._has.pop(request_id, [])
-        self._held.update(found)
-        return [n for n in names if n not in self._held]
+            return [n for n in names if n not in self.held.modules]
+
+    def born_with(self, pid: int) -> Optional[frozenset[str]]:
+        """The modules the rank ``pid`` was born holding (its template's at its fork)."""
+        with self._cond:
+            return self._born.get(pid)
+
+    # -- growing ---------------------------------------------------------------------------
+
+    def grow(self, names: Iterable[str], paths: Sequence[str] = ()) -> list[str]:
+        """Ask it to import ``names`` too, one by one between forks, with ``paths`` (the caller's
+        site-packages directories) on its sys.path; return those newly asked."""
+        with self._cond:
+            if self._retiring or self.held.rejected is not None or self._dead:
+                return []
+            new = self.held.to_ask(names)
+        if new:
+            try:
+                with self._send_lock:
+                    framing.send(self._control, pickle.dumps((GROW, new, list(paths))))
+            except OSError:
+                pass  # it is gone: the reader says so
+        return new
+
+    @property
+    def growing(self) -> bool:
+        with self._cond:
+            return bool(self.held.queued) and not self._dead
+
+    def wait_grown(self, timeout: Optional[float], stuck_after: float, names: Optional[Iterable[str]] = None) -> bool:
+        """Wait until it holds what it was asked to (``names`` of it, or all), or failed on it, or
+        was made unusable by it; True if so, False when ``timeout`` ran out first. Raises
+        TemplateUnresponsive when one module's import has taken over ``stuck_after`` s (a network
+        wait?), TemplateDied when it died."""
+        with self._cond:
+            waiting = self.held.wait(self._cond, lambda: self._dead, timeout, stuck_after, names)
+        if waiting is None:
+            return False
+        if waiting == "died":
+            raise TemplateDied(f"the template process (pid {self.pid}) died ({self.how_it_ended()}) "
+                               "while it imported the modules ranks need")
+        if waiting:
+            raise TemplateUnresponsive(f"the template process (pid {self.pid}) {waiting}")
+        return True
 
     def live_count(self) -> int:
         """Its ranks that live, or are being forked."""
         with self._cond:
-            return len(self._live) + len(self._in_flight)
+            return len(self._alive_ranks()) + len(self._in_flight)
+
+    def _alive_ranks(self) -> list[int]:
+        # A rank that exited is gone even before the template reaps it and says so (EXITED): a
+        # template in a long import reaps nothing meanwhile.
+        return [pid for pid in self._live if _process_state(pid) not in (None, "Z", "X")]
 
     @property
     def retiring(self) -> bool:
         return self._retiring
 
     def retire(self, wait: bool = True) -> bool:
-        """Fork nothing more, and stop once the ranks it forked, or is forking, are gone (they die
-        with it). True when it had none: it is stopped now (``wait=False``: in the background)."""
+        """Fork nothing more, grow nothing more, and stop once the ranks it forked, or is
+        forking, are gone (they die with it). True when it had none: it is stopped now
+        (``wait=False``: in the background)."""
         with self._cond:
+            first = not self._retiring
             self._retiring = True
-            idle = not self._live and not self._in_flight
+            self.held.queued.clear()
+            idle = not self._alive_ranks() and not self._in_flight
+        if first and not idle:
+            try:
+                with self._send_lock:
+                    framing.send(self._control, pickle.dumps((RETIRE,)))
+            except OSError:
+                pass
+            threading.Thread(target=self._close_when_idle, name="mpify_nb-template-retire", daemon=True).start()
         if idle and wait:
             self.close("retired")
         elif idle:
             self._close_later("retired")
         return idle
 
+    def _close_when_idle(self) -> None:
+        with self._cond:
+            while not self._dead and (self._alive_ranks() or self._in_flight):
+                self._cond.wait(0.5)  # an EXITED wakes us; a template that cannot say so, the clock
+        self._close_later("retired, after its last rank")
+
     def abandon(self, why: str) -> None:
-        """Kill it now and let go of it in the background: a candidate that can no longer serve
-        (it holds no ranks), which may be in the middle of a long import and would not notice a
+        """Kill it now and let go of it in the background: a template that can no longer serve
+        and holds no ranks, which may be in the middle of a long import and would not notice a
         closed socket before its end."""
         try:
             self._proc.kill()
@@ -184,51 +327,56 @@ class TemplateClient:
         return not self._dead and self._proc.poll() is None
 
     def wait_ready(self, timeout: float = 120.0) -> None:
+        """Wait until it has started (imported torch). Raises TemplateUnresponsive when it is still
+        starting after ``timeout`` s, TemplateDied when it died."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._ready or self._dead, timeout):
-                raise TemplateDied(f"the template process (pid {self.pid}) did not start within {timeout:.0f} s")
-            if self._dead:
-                raise TemplateDied(f"the template process (pid {self.pid}) died while starting")
+            ok = self._cond.wait_for(lambda: self._ready or self._dead, timeout)
+        if self._dead:
+            raise TemplateDied(f"the template process (pid {self.pid}) died while starting ({self.how_it_ended()})")
+        if not ok:
+            self._give_up(f"is still starting (it imports torch) {time.monotonic() - self.started_at:.1f} s "
+                          "after it was started")
 
-    def fork(self, fds: list[int], timeout: float = 30.0) -> int:
-        """Fork a rank holding ``fds`` = [channel, stdout, stderr]; return its pid.
-        Raises TemplateUnresponsive (and kills the template) if it did not fork within ``timeout``."""
+    def fork(self, fds: list[int], timeout: float = 30.0, role: str = "rank") -> int:
+        """Fork a rank holding ``fds`` = [channel, stdout, stderr] (a spare: [channel]); return its
+        pid. Raises TemplateUnresponsive if it did not fork within ``timeout``, TemplateRetired if
+        it forks no more."""
         deadline = time.monotonic() + timeout
-        try:
-            self.wait_ready(timeout)
-        except TemplateDied:
-            if self._dead:
-                raise
-            self._give_up(f"is still starting (it imports torch) after {timeout:.3g} s")
+        self.wait_ready(timeout)
         with self._cond:
-            if self._retiring:  # checked where retire() counts what is in flight: never both
+            if self._retiring or self.held.rejected is not None:  # checked where retire() counts what is in flight
                 raise TemplateRetired(f"the template process (pid {self.pid}) is retiring: it forks no more ranks")
             request_id = self._next_id
             self._next_id += 1
             self._in_flight.add(request_id)
         try:
-            return self._fork(request_id, fds, deadline, timeout)
+            return self._fork(request_id, fds, role, deadline, timeout)
         finally:
             with self._cond:
                 self._in_flight.discard(request_id)
-                idle = self._retiring and not self._live and not self._in_flight and not self._dead
-            if idle:
-                self._close_later("retired")  # it retired meanwhile, and this fork left it nothing
+                self._cond.notify_all()  # it may have retired meanwhile: _close_when_idle looks again
 
-    def _fork(self, request_id: int, fds: list[int], deadline: float, timeout: float) -> int:
+    def _fork(self, request_id: int, fds: list[int], role: str, deadline: float, timeout: float) -> int:
+        started = time.monotonic()
         try:
             with self._send_lock:
-                framing.send(self._control, pickle.dumps((FORK, request_id)), fds)
+                framing.send(self._control, pickle.dumps((FORK, request_id, role)), fds)
         except OSError as e:
             raise TemplateDied(f"the template process (pid {self.pid}) is gone ({self.how_it_ended()}): {e}") from None
         with self._cond:
-            self._cond.wait_for(lambda: request_id in self._forked or self._dead, max(0.0, deadline - time.monotonic()))
+            self._cond.wait_for(lambda: request_id in self._forked or request_id in self._refused or self._dead,
+                                max(0.0, deadline - time.monotonic()))
             if request_id in self._forked:
                 return self._forked.pop(request_id)
+            if request_id in self._refused:
+                raise TemplateRetired(f"the template process (pid {self.pid}) forks no more ranks: "
+                                      f"{self._refused.pop(request_id)}")
             if self._dead:
                 raise TemplateDied(f"the template process (pid {self.pid}) died ({self.how_it_ended()}) "
                                    "before it could fork a rank")
-        self._give_up(f"did not fork a rank within {timeout:.3g} s")
+            trying = self.held.trying
+        within = f"did not fork a rank within {time.monotonic() - started:.1f} s"
+        self._give_up(within + (f" (it was importing {trying}, which a fork waits for)" if trying else ""))
 
     def _give_up(self, what: str) -> NoReturn:
         if _process_state(self.pid) in ("T", "t"):
@@ -295,34 +443,28 @@ class TemplateClient:
                 if message is None:
                     break
                 reply = pickle.loads(message[0])
+                kind = reply[0]
                 with self._cond:
-                    if reply[0] == READY:
-                        self.failed = reply[2]
-                        self.modules = frozenset(reply[3]) if len(reply) > 3 else None
+                    self.held.on_reply(reply)
+                    if kind == READY:
                         self._ready = True
-                    elif reply[0] == FORKED:
+                    elif kind == FORKED:
                         self._forked[reply[1]] = reply[2]
+                        self._born[reply[2]] = self.held.frozen()
                         self._live.add(reply[2])
-                    elif reply[0] == EXITED:
+                    elif kind == REFUSED:
+                        self._refused[reply[1]] = reply[2]
+                    elif kind == EXITED:
                         self._exited[reply[1]] = reply[2]
+                        self._born.pop(reply[1], None)
                         self._live.discard(reply[1])
-                    elif reply[0] == HAS:
-                        self._has[reply[1]] = reply[2]
-                    elif reply[0] == "trying":
-                        self.trying = reply[1]
-                    elif reply[0] == "rejected":
-                        self.rejected = (reply[1], reply[2])
                     self._cond.notify_all()
-                    retire_now = self._retiring and not self._live and not self._in_flight and reply[0] == EXITED
-                if retire_now:
-                    self._close_later("retired, after its last rank")
         except (OSError, EOFError):
             pass
         with self._cond:
             self._dead = True
             self._cond.notify_all()
         self._proc.poll()  # reap it if it exited
-
 
 
 def _process_state(pid: int) -> Optional[str]:

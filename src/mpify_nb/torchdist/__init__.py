@@ -10,8 +10,8 @@ recorder's dumps, gloo's and NCCL's, read as ops), ``p2p`` (the peer and tag ``i
 note beside their ``Work``, which gloo records nowhere), ``checks/`` (the collective check: every
 rank compares each call with its peers' before any enters gloo, which would abort a rank whose
 peer sends more than it expects), ``libraries`` (what accelerate, Lightning
-and Hugging Face expect of a rank, and leave behind) and ``compat`` (which torch has what: every
-version check, in one place).
+and Hugging Face expect of a rank, and leave behind), ``compat`` (which torch has what: every
+version check, in one place) and ``warmup`` (the notebook's first DDP, warmed between cells).
 
 Both sides use it. It imports nothing else of mpify_nb.
 """

@@ -119,7 +119,13 @@ def gloo_records_collectives() -> bool:
 def recorder_variable() -> str:
     """The environment variable that sizes the flight recorder: ``TORCH_FR_BUFFER_SIZE`` since
     torch 2.8 (gloo's and NCCL's), ``TORCH_NCCL_TRACE_BUFFER_SIZE`` (NCCL's only) before."""
-    return "TORCH_FR_BUFFER_SIZE" if torch_version() >= (2, 8) else "TORCH_NCCL_TRACE_BUFFER_SIZE"
+    # The installed version: a call made before the notebook imported torch need not import it (seconds).
+    version = installed_torch_version()
+    try:
+        found = torch_version() if version is None else parse_version(version)
+    except ValueError:
+        found = torch_version()
+    return "TORCH_FR_BUFFER_SIZE" if found >= (2, 8) else "TORCH_NCCL_TRACE_BUFFER_SIZE"
 
 
 def listen_fd_store_options() -> dict[str, Any]:

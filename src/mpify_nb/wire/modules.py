@@ -29,7 +29,8 @@ not a preload has finished):
 * the standard library: it patches no other library's classes, and a rank imports what it uses;
 * modules with no file (builtin, frozen, namespace packages) and modules no rank can import by
   name (made in the notebook with exec or ``types.ModuleType``): their objects travel by value;
-* ``__main__`` and mpify_nb itself;
+* ``__main__`` and mpify_nb itself, and what mpify_nb imported in the notebook for its own warm-up
+  (``leave_out_ours``: what the first ``DistributedDataParallel`` imports, torchdist/warmup.py);
 * the kernel's own machinery (IPython, ipykernel, zmq, tornado, jupyter_client, debugpy...): the
   notebook holds them because it is a kernel, not because a call needs them;
 * modules known to create a CUDA context or start processes when imported (:data:`LEAVE_OUT`:
@@ -113,6 +114,17 @@ def set_rank_imports(enabled: bool = True, *, leave_out: Sequence[str] = ()) -> 
     _cache.clear()
 
 
+#: Modules this library imported in the notebook for its own sake (torchdist/warmup.py: what the first
+#: DDP imports): not the notebook's choice, so no rank imports them before its call for it.
+_ours: set[str] = set()
+
+
+def leave_out_ours(names: Iterable[str]) -> None:
+    """Modules mpify_nb itself imported in the notebook (a warm-up): never in a call's preamble."""
+    _ours.update(names)
+    _cache.clear()
+
+
 # -- the caller's side ----------------------------------------------------------------------
 
 _cache: dict[str, Any] = {}
@@ -125,11 +137,12 @@ def for_call() -> tuple[str, ...]:
     if not _enabled:
         return ()
     keys = tuple(sys.modules)
-    if _cache.get("keys") == keys:
-        return _cache["names"]
+    known = _cache.get("last")  # (keys, names), set in one step: another thread may read it meanwhile
+    if known is not None and known[0] == keys:
+        return known[1]
     roots = Roots(None)
     names = tuple(name for name in keys if _wanted(name, sys.modules.get(name), roots))
-    _cache.update(keys=keys, names=names)
+    _cache["last"] = (keys, names)
     return names
 
 
@@ -140,7 +153,7 @@ def _wanted(name: str, module: Any, roots: Roots) -> bool:
     else:
         verdict = _judge(name, module, roots)
         _verdicts[name] = (module, verdict)
-    return verdict and not inside(name, _leave_out)
+    return verdict and name not in _ours and not inside(name, _leave_out)
 
 
 def _judge(name: str, module: Any, roots: Roots) -> bool:

@@ -128,6 +128,13 @@ def _index() -> None:
                 _held.setdefault(id(value), (module_name, name))
 
 
+def index_modules() -> None:
+    """Index the globals of the modules loaded since the last look (a call does it when it needs
+    to; a warm-up does it ahead, so the first call after many imports need not)."""
+    if _indexed_at[0] != len(sys.modules):
+        _index()
+
+
 def held_by_module(obj: Any) -> Optional[tuple[str, str]]:
     """(module, name) when ``obj`` is that global of an importable module (checked, not guessed)."""
     if issubclass(type(obj), _SCALARS):

@@ -120,6 +120,9 @@ class RayPlacer:
 
     # -- reserve ---------------------------------------------------------------------------
 
+    def ready(self, timeout: Optional[float]) -> float:
+        return 0.0  # the cluster's own start is reserve()'s wait, and counts
+
     def reserve(self, nprocs: int, caller_rank: Optional[int], timeout: Optional[float]) -> placement.Layout:
         ray = self.ray
         connect(self.options.address)

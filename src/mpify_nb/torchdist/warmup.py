@@ -1,0 +1,144 @@
+"""The notebook's first DDP call as fast as its later ones: what ``DistributedDataParallel(...)``
+imports the first time in a process, imported ahead of it, in the background, between cells.
+
+The first ``DistributedDataParallel(model)`` of a process reads ``torch._dynamo`` (to ask how to
+optimize DDP), and importing it costs 1.5-5 s and ~70 MB (sympy, the compiler stack); the
+later ones cost milliseconds. When the notebook plays rank 0, its first DDP call pays it. So in a
+kernel, once the cell that imported mpify_nb has finished (the user writes the next one), and only
+where the notebook imported torch (a notebook that only drives ranks keeps its memory), a daemon
+thread imports it, and asks the template to hold it too (a spawned rank's first DDP is as warm)::
+
+    import mpify_nb (in a kernel) ── post_run_cell, once ──> start(after=the template started)
+        thread: wait for the template; torch imported here? take the import lock while no
+        other thread is inside an import; import torch._dynamo; release; then the hooks
+        (mpify_nb/__init__.py: the template grows it, the ranks' preamble leaves it out)
+
+A script has no time between its calls: nothing is warmed there (a call would wait for it).
+
+Safe where it runs:
+
+* it holds the interpreter's import lock for its whole import, taken only while no other thread
+  is inside one: no import of another thread interleaves with it (two threads importing one
+  import cycle at once can hand one of them a half-made module), a new import elsewhere waits
+  for its end (once, seconds), and so does a fork (``os.fork`` takes that lock), so a DataLoader
+  worker forked in the notebook never copies a half-made module;
+* it creates no CUDA context (``torch.cuda.is_initialized()`` stays False): importing
+  ``torch._dynamo`` asks at most ``torch.cuda.is_available()``, which makes none;
+* ``MPIFY_NB_PREWARM=0`` turns it off, with the template's start at import.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Callable, Optional
+
+try:
+    import _imp
+except ImportError:  # not CPython: no import lock to take
+    _imp = None  # type: ignore[assignment]
+
+#: What DistributedDataParallel imports the first time it is made in a process.
+DDP_LAZY_IMPORTS = ("torch._dynamo",)
+
+_lock = threading.Lock()
+_thread: Optional[threading.Thread] = None
+_hooks: list[Callable[[list[str]], None]] = []
+_done = threading.Event()
+#: What happened: "" (not run, or running), "imported", "skipped: why", "failed: why".
+outcome = ""
+
+
+#: A process of ours (the template, a rank), which imported this module with MPIFY_NB_CHILD set:
+#: a rank's environment becomes the notebook's later, so it is read once, now.
+_IN_CHILD = os.environ.get("MPIFY_NB_CHILD") == "1"
+
+
+def enabled() -> bool:
+    return not _IN_CHILD and os.environ.get("MPIFY_NB_PREWARM", "1").strip() != "0"
+
+
+def start(after: Optional[Callable[[], object]] = None, modules: Sequence[str] = DDP_LAZY_IMPORTS,
+          need_torch: bool = True) -> None:
+    """Import ``modules`` on a daemon thread, once per process, after ``after()`` returns (the
+    template's start); with ``need_torch``, only if the notebook has imported torch by then."""
+    global _thread
+    if not enabled():
+        return
+    with _lock:
+        if _thread is not None:
+            return
+        _thread = threading.Thread(target=_run, args=(after, tuple(modules), need_torch),
+                                   name="mpify_nb-warm-ddp", daemon=True)
+        _thread.start()
+
+
+def when_imported(hook: Callable[[list[str]], None]) -> None:
+    """Call ``hook(names)`` with every module the warm-up imported, once it has (on its thread)."""
+    if hook not in _hooks:
+        _hooks.append(hook)
+
+
+def wait(timeout: Optional[float] = None) -> bool:
+    """Wait until the warm-up has ended (done, skipped or failed); True if it has."""
+    return _done.wait(timeout)
+
+
+def _run(after: Optional[Callable[[], object]], modules: tuple[str, ...], need_torch: bool) -> None:
+    global outcome
+    try:
+        if after is not None:
+            after()
+        missing = [m for m in modules if m not in sys.modules]
+        if need_torch and "torch" not in sys.modules:
+            outcome = "skipped: the notebook has not imported torch"
+        elif not missing:
+            outcome = "skipped: already imported"
+        else:
+            before = set(sys.modules)
+            for name in missing:
+                import_alone(name)  # no other thread imports meanwhile: what is new is ours
+            added = [n for n in sys.modules if n not in before]
+            for hook in list(_hooks):
+                hook(added)
+            outcome = "imported"
+    except BaseException as e:  # only a speed-up is lost; the first DDP call imports it itself
+        outcome = f"failed: {type(e).__name__}: {e}"
+    finally:
+        _done.set()
+
+
+def import_alone(name: str, patience: float = 600.0) -> None:
+    """Import ``name`` holding the import lock, taken once no other thread is inside an import."""
+    if _imp is None:
+        importlib.import_module(name)
+        return
+    deadline = time.monotonic() + patience
+    while True:
+        _imp.acquire_lock()
+        if not _another_thread_imports():
+            break
+        _imp.release_lock()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"other threads kept importing for {patience:.0f} s")
+        time.sleep(0.05)
+    try:
+        importlib.import_module(name)
+    finally:
+        _imp.release_lock()
+
+
+def _another_thread_imports() -> bool:
+    me = threading.get_ident()
+    for ident, frame in sys._current_frames().items():
+        if ident == me:
+            continue
+        while frame is not None:
+            if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+                return True
+            frame = frame.f_back
+    return False

@@ -1,0 +1,141 @@
+"""The notebook's first DDP call as fast as its later ones (issue 36): what the first
+``DistributedDataParallel(...)`` of a process imports (``torch._dynamo``: seconds) is imported
+ahead, in a kernel between cells, on a background thread, holding the import lock, with no CUDA
+context made.
+
+Each case runs in a fresh kernel or interpreter (the first DDP of a process is the point); a
+script prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+NO_HANG = 300
+
+SRC = str(Path(__file__).resolve().parent.parent / "src")
+
+
+def run_script(source: str, **env: str) -> dict:
+    environ = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
+    environ.pop("MPIFY_NB_CHILD", None)
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(source)], env=environ, capture_output=True,
+                          text=True, timeout=NO_HANG)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_in_a_kernel_the_first_ddp_call_imports_nothing_and_no_rank_imports_the_warmups_modules(notebook):
+    """In a kernel the warm-up starts once the cell that imported mpify_nb has finished (the user
+    writes the next one meanwhile): the notebook's first DDP imports nothing, the template holds
+    what a spawned rank's first DDP imports, and ranks do not import the warm-up's modules for the
+    notebook (with preloading off they are born without them, and stay so)."""
+    import nbutil
+
+    cells = notebook([
+        "import json, sys, torch\nimport mpify_nb\nmpify_nb.set_preload(True)",
+        "from mpify_nb.torchdist import warmup\nfrom mpify_nb.start import template\n"
+        "print(warmup.wait(240), warmup.outcome, template.wait_preloaded(240))",
+        "from mpify_nb import in_torchddp, ranch\n"
+        "from mpify_nb.rank import imports_news\n"
+        "def first_ddp():\n"
+        "    from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "    before = set(sys.modules)\n"
+        "    DDP(torch.nn.Linear(4, 4))\n"
+        "    return sorted(set(sys.modules) - before), 'torch._dynamo' in imports_news._born_with\n"
+        "found = ranch(2, first_ddp, ctx=in_torchddp())\n"
+        "mpify_nb.set_preload(False)\n"
+        "print(json.dumps({'notebook': found[0][0], 'rank_born_with_it': found[1][1], "
+        "'cuda': torch.cuda.is_initialized(), "
+        "'ranks_hold': ranch(2, lambda: 'torch._dynamo' in sys.modules, caller_rank=None)}))",
+    ], timeout=300)
+    assert nbutil.stream_text(cells[1]) == "True imported True\n"
+    assert json.loads(nbutil.stream_text(cells[2])) == {"notebook": [], "rank_born_with_it": True, "cuda": False,
+                                                         "ranks_hold": [False, False]}
+
+
+def test_a_script_warms_nothing_up():
+    """A script has no idle time between its calls: a warm-up would make them wait for its imports."""
+    found = run_script("""
+        import json, sys, threading, time
+        import torch
+        import mpify_nb
+        from mpify_nb import in_torchddp, ranch
+        from mpify_nb.torchdist import warmup
+        ranch(2, lambda: 0, ctx=in_torchddp())
+        time.sleep(1)
+        print(json.dumps({"outcome": warmup.outcome, "dynamo": "torch._dynamo" in sys.modules,
+                          "threads": [t.name for t in threading.enumerate() if "warm" in t.name]}))
+    """)
+    assert found == {"outcome": "", "dynamo": False, "threads": []}
+
+
+def test_the_warmup_creates_no_cuda_context_where_cuda_is_available():
+    # CUDA mocked (a CPU machine): available with one GPU, and anything that would make a context raises.
+    found = run_script("""
+        import json, os
+        import torch
+        made = []
+        def make_context(*args, **kwargs):
+            made.append(1)
+            raise AssertionError("a CUDA context was made")
+        torch.cuda.is_available = lambda: True
+        torch.cuda.device_count = lambda: 1
+        torch.cuda._lazy_init = make_context
+        torch._C._cuda_init = make_context
+        import mpify_nb  # MPIFY_NB_PREWARM=0: nothing starts at import; the test starts the warm-up
+        from mpify_nb.torchdist import warmup
+        os.environ["MPIFY_NB_PREWARM"] = "1"
+        warmup.start()
+        warmup.wait(240)
+        print(json.dumps({"outcome": warmup.outcome, "contexts": len(made), "cuda": torch.cuda.is_initialized()}))
+    """, MPIFY_NB_PREWARM="0")
+    assert found == {"outcome": "imported", "contexts": 0, "cuda": False}
+
+
+def test_a_fork_or_an_import_during_the_warmup_waits_for_its_end(tmp_path):
+    """Holding the import lock: a fork (a DataLoader worker forked in the notebook) never copies a
+    half-made module, and another thread's import never interleaves with the warm-up's."""
+    (tmp_path / "slow_module.py").write_text("import time\nSTARTED = time.monotonic()\ntime.sleep(1.5)\n"
+                                             "ENDED = time.monotonic()\n")
+    (tmp_path / "other_module.py").write_text("import time\nSTARTED = time.monotonic()\n")
+    found = run_script(f"""
+        import json, os, sys, time
+        sys.path.insert(0, {str(tmp_path)!r})
+        import mpify_nb
+        from mpify_nb.torchdist import warmup
+        os.environ["MPIFY_NB_PREWARM"] = "1"
+        warmup.start(modules=["slow_module"], need_torch=False)
+        while "slow_module" not in sys.modules:
+            time.sleep(0.001)  # it is inside the import now
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if hasattr(sys.modules["slow_module"], "ENDED") else 1)  # whole, or not at all
+        forked = time.monotonic()
+        child = os.waitpid(pid, 0)[1]
+        import other_module
+        warmup.wait(60)
+        slow = sys.modules["slow_module"]
+        print(json.dumps({{"child_saw_it_whole": os.waitstatus_to_exitcode(child) == 0,
+                          "fork_after_end": forked >= slow.ENDED,
+                          "import_after_end": other_module.STARTED >= slow.ENDED,
+                          "outcome": warmup.outcome}}))
+    """, MPIFY_NB_PREWARM="0")
+    assert found == {"child_saw_it_whole": True, "fork_after_end": True, "import_after_end": True,
+                     "outcome": "imported"}
+
+
+def test_no_warmup_starts_with_prewarm_off(notebook):
+    import nbutil
+
+    cells = notebook([
+        "import os\nos.environ['MPIFY_NB_PREWARM'] = '0'\nimport torch, mpify_nb",
+        "import time, threading\ntime.sleep(1)\nfrom mpify_nb.torchdist import warmup\n"
+        "print(repr(warmup.outcome), [t.name for t in threading.enumerate() if 'warm' in t.name])",
+    ])
+    assert nbutil.stream_text(cells[1]) == "'' []\n"
