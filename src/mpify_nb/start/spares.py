@@ -28,6 +28,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from socket import socket as Socket
 from typing import Optional, Union
 
 from ..rank.spare import ADOPT, PREPARE, PREPARED
@@ -98,7 +99,7 @@ def set_spare_ranks(count: Union[str, int, bool] = "auto", *, idle: Optional[flo
 class Spare:
     client: TemplateClient
     pid: int
-    socket: object  # our end of its pool socket
+    socket: Socket  # our end of its pool socket
     rank: int
     device: Optional[int]
     env_key: int
@@ -118,7 +119,7 @@ class Spare:
 
     def close(self) -> None:
         try:
-            self.socket.close()  # type: ignore[attr-defined]
+            self.socket.close()
         except OSError:
             pass
         if self.death_fd is not None:
@@ -164,7 +165,7 @@ class Pool:
     def adopt(self, spare: Spare, fds: list[int]) -> bool:
         """Hand ``spare`` its call's channel and output: from now on it is that call's rank."""
         try:
-            framing.send(spare.socket, pickle.dumps((ADOPT,)), fds)  # type: ignore[arg-type]
+            framing.send(spare.socket, pickle.dumps((ADOPT,)), fds)
         except OSError:
             self._end([spare])
             return False
@@ -301,7 +302,7 @@ class Pool:
                     continue
                 message = None
                 try:
-                    message = framing.recv(spare.socket)  # type: ignore[arg-type]
+                    message = framing.recv(spare.socket)
                 except OSError:
                     pass
                 kind, report = pickle.loads(message[0]) if message else (None, {})
