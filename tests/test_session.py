@@ -446,8 +446,8 @@ def test_the_stop_button_during_restart_leaves_every_rank_a_member(session, sigi
     outcomes = []
     for delay in (0.002, 0.004, 0.006, 0.008, 0.010, 0.03):
         timer = threading.Timer(delay, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
-        timer.start()
         try:
+            timer.start()  # in the try: on a loaded machine it can press before start() returns
             session.restart([1])
             time.sleep(0.2)  # an interrupt that came after restart() returned lands here
             timer.join()  # or here, when a loaded machine ran the timer later still
@@ -613,30 +613,78 @@ def test_a_rank_killed_as_the_group_is_rebuilt_is_named(monkeypatch):
         assert s.status()[1].state == "dead"
 
 
+def press_during(obj, name: str) -> threading.Thread:
+    """Make ``obj.name()`` a step at which the stop button is pressed: a SIGINT to the main thread,
+    sent from another thread once the step has begun, and delivered before the step's caller goes
+    on (it lands in the step, a wait of it included, or right after it)."""
+    step = getattr(obj, name)
+    begun = threading.Event()
+    presser = threading.Thread(target=lambda: (begun.wait(), signal.pthread_kill(
+        threading.main_thread().ident, signal.SIGINT)))
+
+    def pressed_step(*args, **kwargs):
+        if presser.ident is None:  # the first call of the step
+            presser.start()
+            begun.set()
+            try:
+                return step(*args, **kwargs)
+            finally:
+                presser.join()
+        return step(*args, **kwargs)
+
+    setattr(obj, name, pressed_step)
+    return presser
+
+
 def test_the_stop_button_during_close_leaves_nothing_open(sigint_handler):
     # Before: an interrupt inside close() (while it waited for a rank to be gone) left the rank's
     # channels, pipes and pidfd, and the session's own, open for good: close() again did nothing.
+    # Each press lands at a known step of close() (a timer fired from 0.5 ms on could press before
+    # close() began, or before the test's try on a loaded machine: issue 35).
     def open_fds() -> int:
         return len(os.listdir("/proc/self/fd"))
 
     Session(1, ddp=False).close()  # the template started, its reader thread's fds counted
     before = open_fds()
-    interrupted = 0
-    for delay in (0.0005, 0.001, 0.002, 0.004):
+    steps = {"kill a rank": lambda s: (s._members[1].process, "kill"),
+             "wait for a rank to be gone": lambda s: (s._engine, "bury"),
+             "close the engine": lambda s: (s._engine, "close"),
+             "close the relay": lambda s: (s._engine.relay, "close")}
+    for step, where in steps.items():
         s = Session(2)
         idents = identities(s)
-        timer = threading.Timer(delay, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
-        timer.start()
-        try:
+        presser = press_during(*where(s))
+        with pytest.raises(KeyboardInterrupt, match="interrupted, after the Session was closed"):
             s.close()
-            time.sleep(0.2)  # an interrupt that came after close() returned lands here
-            timer.join()  # or here, when a loaded machine ran the timer later still
-        except KeyboardInterrupt:
-            interrupted += 1
-        timer.join()
-        assert s.closed and gone(idents)
-        assert open_fds() == before, delay
-    assert interrupted == 4
+        assert presser.ident is not None and not presser.is_alive(), step  # pressed inside close(), once
+        assert s.closed and gone(idents), step
+        assert open_fds() == before, step
+        s.close()  # idempotent, and nothing left to raise
+
+
+def test_the_stop_button_just_before_close_leaves_the_session_open(sigint_handler, monkeypatch):
+    # Before: close() marked the session closed, then took SIGINT: a press in between left its
+    # ranks running, and every later close() waited for good for a close that never happened.
+    from mpify_nb.engine import interrupts
+
+    take_sigint = interrupts.take_sigint
+
+    def pressed_first(*args):
+        monkeypatch.setattr(interrupts, "take_sigint", take_sigint)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # lands here, at once
+        return take_sigint(*args)
+
+    s = Session(2)
+    idents = identities(s)
+    s.run("kept = rank")
+    monkeypatch.setattr(interrupts, "take_sigint", pressed_first)
+    with pytest.raises(KeyboardInterrupt):
+        s.close()
+    assert not s.closed and s.run("kept") == {0: 0, 1: 1}  # not begun: still open
+    closing = threading.Thread(target=s.close, daemon=True)  # (before: it never returned)
+    closing.start()
+    closing.join(60)
+    assert not closing.is_alive() and s.closed and gone(idents)
 
 
 def test_a_cell_that_closes_a_ranks_stdout_leaves_the_next_cell_printing(session, capsys):

@@ -359,16 +359,18 @@ class Session(SessionBackground):
 
     def close(self) -> None:
         """End every rank; when this returns their processes are gone. Idempotent."""
-        with self._flag_lock:
-            first = not self.closed
-            self.closed = True
-        if not first:
-            self._gone.wait()  # another thread is closing it: return when it is done
-            return
-        # Done whole, as restart(): the stop button only notes that it was pressed (an interrupt
-        # half-way left rank fds and the relay open), and raises once every rank is gone.
+        # Done whole or not begun, as restart(): SIGINT is taken before anything changes, then only noted
+        # (a press half-way left fds open; one before it was taken left ranks running, close() hanging).
         interrupted = []
         restore = interrupts.take_sigint(lambda: interrupted.append(True), self)
+        with self._flag_lock:
+            first, self.closed = not self.closed, True
+        if not first:
+            restore()
+            self._gone.wait()  # another thread is closing it: return when it is done
+            if interrupted:
+                raise KeyboardInterrupt("interrupted, after the Session was closed")
+            return
         try:
             # Killed before taking the lock: a call running in another thread then ends at once.
             for m in list(self._members.values()):
