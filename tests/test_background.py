@@ -12,13 +12,13 @@ import asyncio
 import concurrent.futures
 import os
 import signal
-import threading
 import time
 
 import pytest
 
 import helpers_mismatch
 import helpers_ranks
+import presses
 from helpers_ranks import start_time
 from mpify_nb import BackgroundWork, RanksBusyError, Session, in_torchddp, ranch
 from mpify_nb.wire.errors import CollectiveError, RankExitedError, RankRaisedError, SessionClosedError
@@ -147,7 +147,7 @@ def test_the_stop_button_stops_the_cell_not_the_background_work(tmp_path, sigint
         time.sleep(5)
     time.sleep(0.5)
     assert not work.done()  # it goes on
-    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+    presses.press_when_waiting_in("result")
     with pytest.raises(KeyboardInterrupt, match="stopped waiting; the background work ranch"):
         work.result()  # a wait the stop button ends: the work goes on
     assert not work.done()

@@ -16,6 +16,7 @@ import time
 import pytest
 
 import mpify_nb
+import presses
 from helpers_ranks import own_tcp_sockets, start_time
 from mpify_nb import RankStatus, Session
 from mpify_nb.wire.errors import (
@@ -152,7 +153,7 @@ def test_interrupt_stops_every_rank_keeps_state_and_the_next_call_works(session,
         session.run("t = torch.ones(2)\ndist.all_reduce(t)", ranks=[0])
     assert session.run(ALL_REDUCE) == {0: [3.0, 3.0], 1: [3.0, 3.0]}
     # Ctrl-C in the caller (SIGINT to this process) while it waits.
-    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+    presses.press_when_waiting_in("run")
     with pytest.raises(KeyboardInterrupt):
         session.run("import time\ntime.sleep(30)")
     assert session.run("kept") == {0: 0, 1: 1}
