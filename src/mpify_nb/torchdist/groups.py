@@ -129,6 +129,12 @@ def disarm_ended_ddp(roots: Sequence[Any]) -> int:
             _refuse_collectives(obj.device_mesh)
         elif mesh_type is not None and issubclass(kind, mesh_type):
             _refuse_collectives(obj)
+        elif dtensor_type is not None and issubclass(kind, torch.nn.Module):  # tensor parallel's
+            meshes = [p.device_mesh for p in obj.parameters() if isinstance(p, dtensor_type)]
+            if not meshes:
+                continue
+            for mesh in meshes:
+                _refuse_collectives(mesh)
         else:
             continue
         seen.add(id(obj))
