@@ -174,8 +174,7 @@ TP_CELL = ("%%ranch 2\n"
            "                              {'0': ColwiseParallel(), '2': RowwiseParallel()})\n"
            "opt = torch.optim.SGD(tp_model.parameters(), lr=0.1)\n"
            "for _ in range(2):\n"
-           "    loss = tp_model(torch.ones(2, 4)).sum()\n"
-           "    opt.zero_grad(); loss.backward(); opt.step()\n"
+           "    opt.zero_grad(); tp_model(torch.ones(2, 4)).sum().backward(); opt.step()\n"
            "dist.destroy_process_group()\n"
            "round(tp_model[0].weight.to_local().sum().item(), 6)")
 FSDP2_CELL = ("%%ranch 2\n"
@@ -205,7 +204,8 @@ def test_tensor_parallel_and_fsdp2_models_left_in_the_kernel_leave_nothing_liste
     gave it the first run's mesh, refused since); the models' own shards stay readable, their
     forward is refused with the reason."""
     before = nb.value("listening()")
-    for cell, name in ((TP_CELL, "tp_model"), (FSDP2_CELL, "fsdp_model")):
+    for cell, name, reason in ((TP_CELL, "tp_model", "made on the process group of a ranch call"),
+                               (FSDP2_CELL, "fsdp_model", "sharded on the process group of a ranch call")):
         shown = []
         for _ in range(2):
             shown.append(lines(nb.ok(cell)))
@@ -213,10 +213,7 @@ def test_tensor_parallel_and_fsdp2_models_left_in_the_kernel_leave_nothing_liste
         assert shown[0] == shown[1] and [line[:9] for line in shown[0]] == ["[rank 0] ", "[rank 1] "]
         kept = nb.value(f"round({name}[0].weight.to_local().sum().item(), 6)")
         assert kept == float(shown[0][0][9:])  # rank 0's shard, kept in the notebook
-    refused = nb.fails("fsdp_model(torch.ones(1, 4))", "RuntimeError").error_text()
-    assert "sharded on the process group of a ranch call" in refused
-    refused = nb.fails("tp_model(torch.ones(1, 4))", "RuntimeError").error_text()
-    assert "made on the process group of a ranch call" in refused
+        assert reason in nb.fails(f"{name}(torch.ones(1, 4))", "RuntimeError").error_text()
 
 
 def test_the_kernels_excepthook_is_its_own_after_ranch_and_ranch_cells(nb, tmp_path):
