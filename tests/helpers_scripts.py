@@ -156,3 +156,30 @@ def take_master_port() -> str:
 def rank_and_world(rank: int, world_size: int, scale: int = 1) -> tuple:
     """mp.spawn's ``fn(i, *args)``: the rank first, then what the call passed."""
     return rank * scale, world_size, int(os.environ["RANK"])
+
+
+def _shard_sums(model) -> list:
+    """Each parameter's local shard (a DTensor's ``to_local()``), summed: what the rank holds."""
+    return [round(float(p.detach().to_local().sum()), 6) for p in model.parameters()]
+
+
+def fsdp2_model(keep: bool, steps: int = 2):
+    """pytorch/examples' FSDP2 style on the call's group (``ctx=in_torchddp()``): a CPU mesh,
+    ``fully_shard`` per layer then on the model, a few steps. Returns the model on rank 0 when
+    ``keep`` (the caller then holds it, as a notebook keeps what a call returns), else the shards' sums."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        model(torch.ones(2, 4) * (_rank() + 1)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model if keep and _rank() == 0 else _shard_sums(model)

@@ -28,6 +28,7 @@ from helpers_ranch import (  # noqa: F401  (method: a fixture)
     method,
 )
 from mpify_nb import RankExitedError, RankRaisedError, in_torchddp
+from versions import needs_fsdp2_on_cpu
 
 #: The issue's promise: a rank failing anywhere ends the call within this many seconds of it.
 ENDS_WITHIN = 2.0
@@ -123,6 +124,34 @@ def test_a_fixed_master_port_works_run_after_run_and_nothing_listens_after():
         assert sorted(hr.listening_now()) == before
     assert results[0][0] == results[0][1]
     assert results == [results[0]] * 3
+
+
+@needs_fsdp2_on_cpu
+def test_fsdp2_and_tensor_parallel_calls_leave_nothing_listening(monkeypatch):
+    """pytorch/examples' tensor-parallel and FSDP2 scripts as functions (the caller is rank 0), and
+    FSDP2 on the call's group (``ctx=in_torchddp()``), its model kept by the caller: each call's
+    group and its gloo listener go with the call. They stayed: a DeviceMesh keeps its groups
+    (``_pg_registry``) and lives on in DTensor's caches, FSDP2's mesh info keeps its group."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(SCRIPTS_DIR))
+    import bring_your_script as bys
+
+    before = sorted(hr.listening_now())
+    for _ in range(2):
+        tp = mpify_nb.ranch(2, bys.tensor_parallel, timeout=120)
+        assert [r["rank"] for r in tp] == [0, 1] and tp[0]["losses"] == tp[1]["losses"]
+        assert sorted(hr.listening_now()) == before
+        fsdp = mpify_nb.ranch(2, bys.fsdp2, timeout=120)
+        assert [r["rank"] for r in fsdp] == [0, 1] and fsdp[0]["full"] == fsdp[1]["full"]
+        assert sorted(hr.listening_now()) == before
+        sums = mpify_nb.ranch(2, hs.fsdp2_model, False, ctx=in_torchddp(), timeout=120)
+        assert sorted(hr.listening_now()) == before
+        kept, rank_1 = mpify_nb.ranch(2, hs.fsdp2_model, True, ctx=in_torchddp(), timeout=120)
+        assert sorted(hr.listening_now()) == before
+        assert (hs._shard_sums(kept), rank_1) == tuple(sums)  # the model kept: its shards readable
+    with pytest.raises(RuntimeError, match="sharded on the process group of a ranch call"):
+        kept(torch.ones(1, 4))
 
 
 def test_a_tcp_init_method_on_a_fixed_port_works_run_after_run():

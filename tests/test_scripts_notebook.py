@@ -19,6 +19,7 @@ pytest.importorskip("ipykernel")
 import nbutil  # noqa: E402
 from test_magics import wait_for_output  # noqa: E402
 from test_session_magics import Kernel, texts  # noqa: E402
+from versions import needs_fsdp2_on_cpu  # noqa: E402
 
 #: The issue's promise: a rank failing anywhere ends the cell within this many seconds of it.
 ENDS_WITHIN = 2.0
@@ -159,6 +160,60 @@ def test_a_fixed_master_port_works_run_after_run_and_nothing_listens_in_the_kern
     assert nb.value("round(model.module.weight.detach().sum().item(), 6)") == runs[0][0]  # the model is kept
     refused = nb.fails("model(torch.ones(1, 4))", "RuntimeError").error_text()
     assert "made on the process group of a ranch call" in refused
+
+
+#: pytorch/examples' tensor-parallel and FSDP2 examples written as module-level scripts: in
+#: %%ranch the kernel is rank 0, so their model stays in the notebook.
+TP_CELL = ("%%ranch 2\n"
+           "from torch.distributed.device_mesh import init_device_mesh\n"
+           "from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module\n"
+           "torch.manual_seed(0)\n"
+           "tp_model = parallelize_module(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(),\n"
+           "                                                  torch.nn.Linear(8, 2)),\n"
+           "                              init_device_mesh('cpu', (int(os.environ['WORLD_SIZE']),)),\n"
+           "                              {'0': ColwiseParallel(), '2': RowwiseParallel()})\n"
+           "opt = torch.optim.SGD(tp_model.parameters(), lr=0.1)\n"
+           "for _ in range(2):\n"
+           "    opt.zero_grad(); tp_model(torch.ones(2, 4)).sum().backward(); opt.step()\n"
+           "dist.destroy_process_group()\n"
+           "round(tp_model[0].weight.to_local().sum().item(), 6)")
+FSDP2_CELL = ("%%ranch 2\n"
+              "from torch.distributed.device_mesh import init_device_mesh\n"
+              "from torch.distributed.fsdp import fully_shard\n"
+              "dist.init_process_group('gloo')\n"
+              "mesh = init_device_mesh('cpu', (dist.get_world_size(),))\n"
+              "torch.manual_seed(0)\n"
+              "fsdp_model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))\n"
+              "for layer in (fsdp_model[0], fsdp_model[2]):\n"
+              "    fully_shard(layer, mesh=mesh)\n"
+              "fully_shard(fsdp_model, mesh=mesh)\n"
+              "opt = torch.optim.Adam(fsdp_model.parameters(), lr=0.01)\n"
+              "for _ in range(2):\n"
+              "    fsdp_model(torch.ones(2, 4) * (dist.get_rank() + 1)).pow(2).mean().backward()\n"
+              "    opt.step(); opt.zero_grad()\n"
+              "dist.destroy_process_group()\n"
+              "round(fsdp_model[0].weight.to_local().sum().item(), 6)")
+
+
+@needs_fsdp2_on_cpu
+def test_tensor_parallel_and_fsdp2_models_left_in_the_kernel_leave_nothing_listening(nb):
+    """A module-level tensor-parallel or FSDP2 script in %%ranch leaves its model in the kernel: the
+    model's DeviceMesh kept its ended group (``_pg_registry``, and DTensor's caches kept the mesh),
+    FSDP2's mesh info too, so every such cell left a gloo port listening in the kernel. Now nothing
+    new listens, run after run (the tensor-parallel cell's second run failed too: DTensor's caches
+    gave it the first run's mesh, refused since); the models' own shards stay readable, their
+    forward is refused with the reason."""
+    before = nb.value("listening()")
+    for cell, name, reason in ((TP_CELL, "tp_model", "made on the process group of a ranch call"),
+                               (FSDP2_CELL, "fsdp_model", "sharded on the process group of a ranch call")):
+        shown = []
+        for _ in range(2):
+            shown.append(lines(nb.ok(cell)))
+            assert nb.value("listening()") == before
+        assert shown[0] == shown[1] and [line[:9] for line in shown[0]] == ["[rank 0] ", "[rank 1] "]
+        kept = nb.value(f"round({name}[0].weight.to_local().sum().item(), 6)")
+        assert kept == float(shown[0][0][9:])  # rank 0's shard, kept in the notebook
+        assert reason in nb.fails(f"{name}(torch.ones(1, 4))", "RuntimeError").error_text()
 
 
 def test_the_kernels_excepthook_is_its_own_after_ranch_and_ranch_cells(nb, tmp_path):

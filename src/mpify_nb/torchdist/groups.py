@@ -11,7 +11,9 @@ Session (session/session.py) and its ranks (rank/session.py) all need of them.
 * ``forget_ended_groups``: the ended groups torch itself keeps alive (its functions' defaults),
   let go of, so their sockets close;
 * ``keep_groups`` / ``release_ended_groups``: every group a rank makes is held here too, so that
-  no C++ owner (a DDP model's Reducer) destroys it with the GIL held, which deadlocks in torch.
+  no C++ owner (a DDP model's Reducer) destroys it with the GIL held, which deadlocks in torch;
+  an ended group torch's own objects still hold (a DeviceMesh, FSDP2's mesh info) is taken from
+  them first, so it goes, its gloo listener with it.
 
 torch is never imported here at module level: the caller may not have imported it yet.
 """
@@ -127,6 +129,12 @@ def disarm_ended_ddp(roots: Sequence[Any]) -> int:
             _refuse_collectives(obj.device_mesh)
         elif mesh_type is not None and issubclass(kind, mesh_type):
             _refuse_collectives(obj)
+        elif dtensor_type is not None and issubclass(kind, torch.nn.Module):  # tensor parallel's
+            meshes = [p.device_mesh for p in obj.parameters() if isinstance(p, dtensor_type)]
+            if not meshes:
+                continue
+            for mesh in meshes:
+                _refuse_collectives(mesh)
         else:
             continue
         seen.add(id(obj))
@@ -167,10 +175,27 @@ class _EndedGroupNames(list):
     """A DeviceMesh's group names (torch < 2.8: its group infos), once its groups ended: every
     collective on the mesh (a DTensor's ``full_tensor``, ``redistribute``, ``mesh.get_group()``)
     looks its group up by index here, and gets the reason instead. Iterating (pickling the mesh)
-    still works."""
+    still works.
+
+    Unless a group of that name is up again: DTensor's sharding caches keep this mesh, and hand it
+    to the DTensors of a later call's equal mesh (a module-level tensor-parallel script in %%ranch,
+    run again), whose group, made afresh, has the same name; refused, that run failed."""
 
     def __getitem__(self, index: Any) -> Any:
+        found = super().__getitem__(index)
+        if isinstance(index, int) and _group_name_is_up(found):
+            return found
         raise RuntimeError(MESH_ENDED_MESSAGE)
+
+
+def _group_name_is_up(entry: Any) -> bool:
+    """Is the group a mesh's entry names (a name; torch < 2.8: (tag, ranks, name)) up now?"""
+    name = entry[2] if isinstance(entry, tuple) and len(entry) == 3 else entry
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    try:
+        return isinstance(name, str) and name in c10d._world.pg_names.values()  # type: ignore[union-attr]
+    except AttributeError:
+        return False
 
 
 def _refuse_collectives(mesh: Any) -> None:
@@ -330,8 +355,55 @@ def release_ended_groups() -> int:
     ended = [entry for entry in _kept if id(entry[0]) not in live]
     _kept[:] = [entry for entry in _kept if id(entry[0]) in live]
     count = len(ended)
+    held_elsewhere = _held_elsewhere(ended)
+    if held_elsewhere:
+        _let_torch_objects_go_of(held_elsewhere)
+    del held_elsewhere
     backends = [b for _group, held in ended for b in held]
     ended.clear()  # the groups: a Reducer that still holds one keeps it, not its backends
     while backends:
         backends.pop()  # destroyed now, with the GIL released (compat.destroy_process_group)
     return count
+
+
+def _held_elsewhere(ended: list) -> list:
+    """The groups of ``ended`` ((group, backends) pairs) that a Python object besides ``ended``
+    still holds: by their reference counts, against an object held the same way."""
+    alone = [(object(), [])]
+    baseline = [sys.getrefcount(obj) for obj, _backends in alone][0]
+    return [group for group, _backends in ended if sys.getrefcount(group) > baseline]
+
+
+def _let_torch_objects_go_of(ended: list) -> int:
+    """Drop the references torch's own objects keep to the ``ended`` groups, so the groups (and
+    their gloo listeners) go when :func:`release_ended_groups` lets go of them: a DeviceMesh keeps
+    its groups in ``_pg_registry`` (torch 2.13), and a mesh lives on in DTensor's sharding caches
+    after the call, in an FSDP2 or tensor-parallel model's parameters left in the notebook; FSDP2's
+    mesh info keeps ``shard_process_group`` (HSDP's ``replicate_process_group`` too). The registry
+    is a dict the collector does not track (``gc.get_referrers`` misses it), so torch.distributed's
+    objects are scanned (about 0.15 s per 300,000 live objects; only when a group is held).
+    An attribute that held a group becomes None, a registry loses the entry: both were of a group
+    whose ranks are gone (disarm_ended_ddp refuses what would use them). Returns how many."""
+    import gc
+
+    ids = {id(group) for group in ended}
+    dropped = 0
+    for obj in gc.get_objects():
+        module = getattr(type(obj), "__module__", None)
+        if not (isinstance(module, str) and module.startswith("torch.distributed")):
+            continue
+        try:
+            attributes = object.__getattribute__(obj, "__dict__")
+        except AttributeError:
+            continue
+        if type(attributes) is not dict:
+            continue
+        for name, value in list(attributes.items()):
+            if id(value) in ids:
+                attributes[name] = None
+                dropped += 1
+            elif type(value) is dict:
+                for key in [k for k, v in value.items() if id(v) in ids]:
+                    del value[key]
+                    dropped += 1
+    return dropped
