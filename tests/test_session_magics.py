@@ -350,7 +350,10 @@ def test_no_javascript_outputs_ever(dist):
 def test_time_and_timeit_measure_on_the_ranks(dist):
     ran = dist.ok("%time timed = rank * 2")
     out = ran.stream("stdout")
-    assert re.search(r"\[rank 0\] CPU times: .*\n\[rank 0\] Wall time: ", out) and "[rank 1] Wall time" in out, out
+    for r in (0, 1):  # each rank's lines in order (the ranks' lines may interleave)
+        mine = [line for line in out.splitlines() if line.startswith(f"[rank {r}] ")]
+        assert len(mine) == 2 and re.fullmatch(rf"\[rank {r}\] CPU times: user .+, sys: .+, total: .+", mine[0]) \
+            and re.fullmatch(rf"\[rank {r}\] Wall time: .+", mine[1]), out
     assert dist.ok("timed").shown() == ["[rank 0] 0\n[rank 1] 2"]  # %time assigned on the ranks
     ran = dist.ok("%timeit -n 3 -r 2 timed + 1")
     lines = ran.stream("stdout").splitlines()
