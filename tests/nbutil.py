@@ -325,9 +325,13 @@ def torchrun_results(script, *args: str, timeout: float = 120) -> list[dict]:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: our own session
             proc.wait()
-    assert proc.returncode == 0, err[-3000:]
     # The two workers share one stdout: their lines may run into each other.
     results = [json.loads(m) for m in re.findall(r"RESULT (\{[^{}]*\})", out)]
+    # torch itself may abort a worker at exit, after its results ("terminate called without an active
+    # exception": a gloo thread outliving a group, issue 38; ranch ends such calls cleanly): the
+    # baseline's numbers stand; any other failure, or a missing result, does not.
+    crashed_at_exit = "terminate called without an active exception" in err and len(results) == 2
+    assert proc.returncode == 0 or crashed_at_exit, err[-3000:]
     assert len(results) == 2, out
     return sorted(results, key=lambda r: r["rank"])
 

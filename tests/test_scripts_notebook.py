@@ -337,6 +337,7 @@ def _results_of(cell) -> list:
     return ast.literal_eval(nbutil.stream_text(cell).strip().splitlines()[-1])
 
 
+@pytest.mark.timeout(600)  # four torchrun runs and twelve cells: ~3 min beside another pytest worker on 2 cores
 def test_examples_and_tutorials_scripts_give_torchruns_numbers_run_after_run():
     """pytorch/examples' multigpu.py style (mp.spawn's main(rank, world_size), its own ddp_setup on
     a fixed MASTER_PORT), pytorch/tutorials' dist_tuto (init_process sets its port, run() sends,

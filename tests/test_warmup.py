@@ -130,6 +130,33 @@ def test_a_fork_or_an_import_during_the_warmup_waits_for_its_end(tmp_path):
                      "outcome": "imported"}
 
 
+def test_what_another_thread_imported_while_the_warmup_waited_is_the_notebooks(tmp_path):
+    """The warm-up waits for another thread's import to end before it takes the import lock (the
+    user's next cell importing fastai, say): what that import added is the notebook's, so the
+    ranks' preamble keeps it. Before, every module imported during that wait was counted as the
+    warm-up's and left out: fastai's patched Learner.fit_one_cycle was missing on rank 1."""
+    (tmp_path / "users_slow_library.py").write_text("import time\ntime.sleep(1.5)\nimport users_patch\n")
+    (tmp_path / "users_patch.py").write_text("PATCHED = True\n")
+    (tmp_path / "warm_module.py").write_text("WARM = True\n")
+    found = run_script(f"""
+        import json, os, sys, threading, time
+        sys.path.insert(0, {str(tmp_path)!r})
+        from mpify_nb.torchdist import warmup
+        os.environ["MPIFY_NB_PREWARM"] = "1"
+        seen = []
+        warmup.when_imported(seen.extend)
+        user = threading.Thread(target=lambda: __import__("users_slow_library"))
+        user.start()
+        while "users_slow_library" not in sys.modules:
+            time.sleep(0.001)  # the user's import has begun
+        warmup.start(modules=["warm_module"], need_torch=False)
+        warmup.wait(60)
+        user.join()
+        print(json.dumps({{"ours": sorted(seen), "outcome": warmup.outcome}}))
+    """, MPIFY_NB_PREWARM="0")
+    assert found == {"ours": ["warm_module"], "outcome": "imported"}
+
+
 def test_no_warmup_starts_with_prewarm_off(notebook):
     import nbutil
 

@@ -99,10 +99,9 @@ def _run(after: Optional[Callable[[], object]], modules: tuple[str, ...], need_t
         elif not missing:
             outcome = "skipped: already imported"
         else:
-            before = set(sys.modules)
+            added: list[str] = []
             for name in missing:
-                import_alone(name)  # no other thread imports meanwhile: what is new is ours
-            added = [n for n in sys.modules if n not in before]
+                added += import_alone(name)
             for hook in list(_hooks):
                 hook(added)
             outcome = "imported"
@@ -112,11 +111,15 @@ def _run(after: Optional[Callable[[], object]], modules: tuple[str, ...], need_t
         _done.set()
 
 
-def import_alone(name: str, patience: float = 600.0) -> None:
-    """Import ``name`` holding the import lock, taken once no other thread is inside an import."""
+def import_alone(name: str, patience: float = 600.0) -> list[str]:
+    """Import ``name`` holding the import lock, taken once no other thread is inside an import;
+    the modules that import added. They are counted while the lock is held: what another thread
+    imported while this one waited for it (the user's next cell importing fastai, say) is the
+    notebook's, not ours, and its ranks must import it."""
     if _imp is None:
+        before = set(sys.modules)
         importlib.import_module(name)
-        return
+        return [n for n in list(sys.modules) if n not in before]
     deadline = time.monotonic() + patience
     while True:
         _imp.acquire_lock()
@@ -127,7 +130,9 @@ def import_alone(name: str, patience: float = 600.0) -> None:
             raise TimeoutError(f"other threads kept importing for {patience:.0f} s")
         time.sleep(0.05)
     try:
+        before = set(sys.modules)
         importlib.import_module(name)
+        return [n for n in list(sys.modules) if n not in before]
     finally:
         _imp.release_lock()
 
