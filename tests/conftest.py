@@ -82,6 +82,18 @@ def rank_imports_from_here():
 
 
 @pytest.fixture
+def checks_off(monkeypatch):
+    """The check off, as ``MPIFY_NB_COLLECTIVE_CHECKS=0`` says, for this process and the ranks it starts."""
+    from mpify_nb.torchdist.checks import wrappers
+
+    monkeypatch.setenv(wrappers.VARIABLE, "0")
+    previous = wrappers.enabled()
+    wrappers.set_enabled(False, install=False)
+    yield
+    wrappers.set_enabled(previous, install=False)
+
+
+@pytest.fixture
 def sigint_handler():
     """Python's own SIGINT handler (KeyboardInterrupt), with mpify_nb's in front of it as
     ``import mpify_nb`` puts it (engine/interrupts.py), for a test that interrupts this process.

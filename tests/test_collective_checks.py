@@ -45,16 +45,6 @@ NONE_ENTERED = "none of them entered it"
 FLIGHT_RECORDER = Path(__file__).resolve().parent / "data" / "flight_recorder"
 
 
-@pytest.fixture
-def checks_off(monkeypatch):
-    """The check off, as ``MPIFY_NB_COLLECTIVE_CHECKS=0`` says, for this process and the ranks it starts."""
-    monkeypatch.setenv(wrappers.VARIABLE, "0")
-    previous = wrappers.enabled()
-    wrappers.set_enabled(False, install=False)
-    yield
-    wrappers.set_enabled(previous, install=False)
-
-
 # -- the table: what each mistake did before the check -----------------------------------------
 
 def _today_marks(case: hc.Case) -> list:

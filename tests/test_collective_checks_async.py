@@ -15,21 +15,11 @@ import pytest
 
 import helpers_async_checks as ha
 from mpify_nb import Session, in_torchddp, ranch, set_collective_checks
-from mpify_nb.torchdist.checks import wrappers
 from mpify_nb.wire.errors import CollectiveError
 
 NONE_ENTERED = "none of them entered it"
 REBUILT = ("the process group was rebuilt (Python state kept; re-create objects made on the old group, "
            "e.g. DistributedDataParallel)")
-
-
-@pytest.fixture
-def checks_off(monkeypatch):
-    monkeypatch.setenv(wrappers.VARIABLE, "0")
-    previous = wrappers.enabled()
-    wrappers.set_enabled(False, install=False)
-    yield
-    wrappers.set_enabled(previous, install=False)
 
 
 @pytest.mark.parametrize("caller_rank", [0, None], ids=["caller is rank 0", "caller plays no rank"])
