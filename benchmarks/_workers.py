@@ -11,6 +11,8 @@ Entry points for the helper subprocesses (``python -c "import _workers; _workers
 
 * ``fork_floor_serve``: the fork floor of target 1, one repetition per line on stdin.
 * ``tmp_fork_train_main``: the torch.multiprocessing (fork) side of target 4.
+* ``tmp_thread_pairs_main``: issue 37's control: rank 0's loop on its main thread vs on a
+  ``threading.Thread``, in a plain torch.multiprocessing job.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 
 import torch
@@ -144,21 +147,26 @@ def train_steps(n_steps: int, warmup: int = 20) -> dict:
         step()
     dist.barrier()
     threads0 = _thread_cpu()
-    c0, t0 = time.process_time(), time.perf_counter()
+    c0, t0, own0 = time.process_time(), time.perf_counter(), time.thread_time()
     for _ in range(n_steps):
         step()
     elapsed = time.perf_counter() - t0
     # CPU time of the whole process (every thread: gloo's, and in a ranch caller the watch and
     # relay threads): less sensitive to other load on the machine than wall time.
     cpu = time.process_time() - c0
+    # CPU time of the thread that runs the loop alone: what a step costs it, waits excluded.
+    own = time.thread_time() - own0
     threads1 = _thread_cpu()
-    # CPU of the threads that are neither the main thread nor torch/gloo's own: in a ranch rank,
-    # mpify_nb's watch, relay and watchdog threads. A tax while running would show here.
-    main_tid = str(os.getpid())
+    # CPU of the threads that are neither the loop's (the main thread, or the caller's background
+    # work thread) nor torch/gloo's own: in a ranch rank, mpify_nb's watch, relay and watchdog
+    # threads. A tax while running would show here.
+    loop_tid = str(threading.get_native_id())
     other = sum(cpu_s - threads0.get(key, (name, 0.0))[1] for key, (name, cpu_s) in threads1.items()
-                if key != main_tid and not name.startswith(("gloo", "pt_")))
+                if key != loop_tid and not name.startswith(("gloo", "pt_")))
     return {"rank": dist.get_rank(), "steps": n_steps, "seconds": elapsed, "steps_per_s": n_steps / elapsed,
             "cpu_seconds": cpu, "steps_per_cpu_s": n_steps / cpu, "other_threads_cpu": other,
+            "loop_thread_cpu": own, "steps_per_loop_cpu_s": n_steps / own if own > 0 else float("inf"),
+            "on_main_thread": threading.current_thread() is threading.main_thread(),
             "threads": torch.get_num_threads()}
 
 
@@ -198,3 +206,45 @@ def tmp_fork_train_main() -> None:
     world = 2
     tmp.start_processes(_tmp_train_entry, args=(world, _free_port(), n_steps, outdir), nprocs=world,
                         join=True, start_method="fork")
+
+
+def _on_a_thread(fn, *args):
+    """``fn(*args)`` on a new thread, this one blocked in join() meanwhile (as a notebook's main
+    thread waits in a BackgroundWork's result())."""
+    box: dict = {}
+    worker = threading.Thread(target=lambda: box.setdefault("value", fn(*args)))
+    worker.start()
+    worker.join()
+    return box["value"]
+
+
+def _tmp_thread_pairs_entry(index: int, world: int, port: int, n_steps: int, pairs: int, outdir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=index, world_size=world)
+    runs = []
+    try:
+        for i in range(pairs):
+            got = {}
+            for where in (("main", "thread") if i % 2 == 0 else ("thread", "main")):
+                if where == "thread" and index == 0:
+                    got[where] = _on_a_thread(train_steps, n_steps)
+                else:
+                    got[where] = train_steps(n_steps)
+            runs.append(got)
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(outdir, f"rank{index}.json"), "w") as f:
+        json.dump(runs, f)
+
+
+def tmp_thread_pairs_main() -> None:
+    """Issue 37's control, without mpify_nb: what running a rank's loop on a thread other than
+    the main one costs in torch itself. torch.multiprocessing (fork), 2 ranks; in each pair rank 0
+    runs ``train_steps`` once on its main thread and once on a ``threading.Thread`` (alternating
+    which goes first), rank 1 always on its main thread. argv: n_steps pairs outdir. Each rank
+    writes rank<i>.json: a list, per pair, of {"main": report, "thread": report}."""
+    import torch.multiprocessing as tmp
+
+    n_steps, pairs, outdir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    world = 2
+    tmp.start_processes(_tmp_thread_pairs_entry, args=(world, _free_port(), n_steps, pairs, outdir),
+                        nprocs=world, join=True, start_method="fork")

@@ -5,8 +5,13 @@
   one thread each) on a ``Session``'s ranks, ``s.run(code)`` (foreground) against
   ``s.run(code, wait=False).result()`` (background), and ``ranch(2, train_steps, ...)`` against
   ``ranch(..., wait=False).result()`` (the caller's rank 0 on the work's thread). Steps per second
-  inside the ranks after warm-up; runs in pairs, alternating which goes first. Target: background
-  >= 0.97x foreground (median of the per-pair ratios).
+  inside the ranks after warm-up; many short runs (~3 s; 2 s with --quick) in pairs (12; 4),
+  alternating which goes first. Target: background >= 0.97x foreground (median of the per-pair
+  ratios, printed with its quartiles and the load average). Beside it, less moved by the other
+  work on a shared machine: steps per CPU second of the ranks' processes, and of rank 0's loop
+  thread alone (what a step costs the thread that runs it). Without --quick, a control without
+  mpify_nb: rank 0's loop on a ``threading.Thread`` against on its main thread in a plain
+  torch.multiprocessing job (what a non-main thread costs in torch itself).
 * The notebook while it trains, through jupyter_client in a real kernel (``%dist_init -n 2``): a
   trivial ``%%local`` cell's round trip (execute to reply and idle), with nothing running
   (before and after) and while ``%%distributed --bg`` trains the same loop with no end. Target:
@@ -22,12 +27,16 @@ Run: ``.venv/bin/python benchmarks/bench_background.py [--quick] [--json PATH]``
 
 from __future__ import annotations
 
+import json
 import os
 import queue
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
-from _common import BENCH_DIR, Result, finish, fmt_list, machine_line, median, parse_args
+from _common import BENCH_DIR, Result, finish, machine_line, median, parse_args
 from bench_debugging import start_kernel, stop_kernel
 
 TRAIN_FOREVER = (
@@ -50,29 +59,96 @@ TRAIN_FOREVER = (
 )
 
 def rate(reports, key: str = "steps_per_s") -> float:
-    """Steps per second (or per CPU second) of a run: the mean over its ranks."""
+    """Steps per second (or per CPU second): the mean over a run's ranks."""
     reports = list(reports.values()) if isinstance(reports, dict) else reports
     return sum(r[key] for r in reports) / len(reports)
 
 
-def pairs(label: str, foreground, background, n_pairs: int) -> tuple[list[float], list[float]]:
-    """Per-pair ratios background / foreground, of steps per second and of steps per CPU second
-    (less moved by other load on the machine), alternating which runs first."""
-    ratios: list[float] = []
-    cpu_ratios: list[float] = []
+def load() -> str:
+    return "load " + "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def spread(xs: list[float]) -> str:
+    """``median 0.991 (quartiles 0.962-1.013, 12 pairs)``."""
+    if len(xs) < 2:
+        return f"median {median(xs):.3f} ({len(xs)} pair)"
+    q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return f"median {median(xs):.3f} (quartiles {q1:.3f}-{q3:.3f}, {len(xs)} pairs)"
+
+
+class Pairs:
+    """Per-pair ratios background / foreground (below 1: the background is slower) of three
+    figures: steps per second (the target), steps per CPU second of the ranks' processes, and
+    steps per CPU second of rank 0's own loop thread (what a step costs the thread that runs it,
+    waits excluded: the caller's rank on the work's thread, against the main thread). The last two
+    move less with other load on the machine than the first."""
+
+    def __init__(self, label: str, sides: tuple[str, str] = ("foreground", "background")) -> None:
+        self.label = label
+        self.sides = sides
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+        self.rank0_loop: list[float] = []
+
+    def run(self, foreground, background, n_pairs: int) -> Pairs:
+        """Short runs in pairs, alternating which goes first: a drift in the machine's load
+        touches both sides of a pair alike, and the median of many pairs shrugs off a pair hit by
+        a burst of someone else's work."""
+        for i in range(n_pairs):
+            order = [("fg", foreground), ("bg", background)]
+            if i % 2:
+                order.reverse()
+            got = {name: fn() for name, fn in order}
+            self.add(got["fg"], got["bg"], f"; {load()}")
+        return self
+
+    def add(self, foreground, background, note: str = "") -> None:
+        """One pair: each side's reports (one per rank)."""
+        fg, bg = (self._figures(foreground), self._figures(background))
+        self.wall.append(bg[0] / fg[0])
+        self.cpu.append(bg[1] / fg[1])
+        self.rank0_loop.append(bg[2] / fg[2])
+        print(f"  {self.label} pair {len(self.wall)}: {self.sides[0]} {fg[0]:.1f} steps/s ({fg[1]:.1f} per CPU s), "
+              f"{self.sides[1]} {bg[0]:.1f} steps/s ({bg[1]:.1f} per CPU s): {self.wall[-1]:.3f}x, per CPU s "
+              f"{self.cpu[-1]:.3f}x, rank 0's loop thread {self.rank0_loop[-1]:.3f}x{note}", flush=True)
+
+    @staticmethod
+    def _figures(reports) -> tuple[float, float, float]:
+        reports = sorted(reports.values() if isinstance(reports, dict) else reports, key=lambda r: r["rank"])
+        return rate(reports), rate(reports, "steps_per_cpu_s"), reports[0]["steps_per_loop_cpu_s"]
+
+    def report(self, what: str) -> list[Result]:
+        print(f"{self.label} background / foreground{what}: steps/s {spread(self.wall)}; per CPU second "
+              f"{spread(self.cpu)}; rank 0's loop thread, steps per its CPU second {spread(self.rank0_loop)}")
+        verdict = median(self.wall)
+        return [
+            Result("37.1", f"{self.label} DDP loop: background / foreground", verdict, "x", ">= 0.97",
+                   verdict >= 0.97, detail=f"{spread(self.wall)}; {load()}", extra={"pairs": self.wall}),
+            Result("37.1", "the same, steps per CPU second", median(self.cpu), "x", detail=spread(self.cpu),
+                   extra={"pairs": self.cpu}),
+            Result("37.1", "the same, rank 0's loop thread: steps per its CPU second", median(self.rank0_loop), "x",
+                   detail=spread(self.rank0_loop), extra={"pairs": self.rank0_loop}),
+        ]
+
+
+def torch_alone(n_steps: int, n_pairs: int) -> list[Result]:
+    """The control: what a thread other than the main one costs rank 0's loop in torch itself,
+    in a plain torch.multiprocessing job (no mpify_nb), the main thread blocked in join()."""
+    code = f"import sys; sys.path.insert(0, {BENCH_DIR!r}); import _workers; _workers.tmp_thread_pairs_main()"
+    with tempfile.TemporaryDirectory() as outdir:
+        subprocess.run([sys.executable, "-c", code, str(n_steps), str(n_pairs), outdir], check=True, timeout=900)
+        ranks = []
+        for r in range(2):
+            with open(os.path.join(outdir, f"rank{r}.json")) as f:
+                ranks.append(json.load(f))
+    control = Pairs("torch alone", ("rank 0 on its main thread", "on a threading.Thread"))
     for i in range(n_pairs):
-        order = [("fg", foreground), ("bg", background)]
-        if i % 2:
-            order.reverse()
-        got = {}
-        for name, fn in order:
-            reports = fn()
-            got[name] = (rate(reports), rate(reports, "steps_per_cpu_s"))
-        ratios.append(got["bg"][0] / got["fg"][0])
-        cpu_ratios.append(got["bg"][1] / got["fg"][1])
-        print(f"  {label} pair {i + 1}: foreground {got['fg'][0]:.1f} steps/s ({got['fg'][1]:.1f} per CPU s), "
-              f"background {got['bg'][0]:.1f} steps/s ({got['bg'][1]:.1f} per CPU s): {ratios[-1]:.3f}x", flush=True)
-    return ratios, cpu_ratios
+        control.add([ranks[0][i]["main"], ranks[1][i]["main"]], [ranks[0][i]["thread"], ranks[1][i]["thread"]])
+    print(f"torch alone, thread / main ({load()}): steps/s {spread(control.wall)}; per CPU second "
+          f"{spread(control.cpu)}; rank 0's loop thread {spread(control.rank0_loop)}")
+    return [Result("37.1", "control, no mpify_nb: rank 0's loop on a thread / on the main thread",
+                   median(control.wall), "x", detail=f"{spread(control.wall)}; per CPU second {spread(control.cpu)}",
+                   extra={"pairs": control.wall})]
 
 
 def throughput(quick: bool) -> list[Result]:
@@ -80,28 +156,26 @@ def throughput(quick: bool) -> list[Result]:
 
     from mpify_nb import Session, in_torchddp, ranch
 
-    seconds, n_pairs = (4.0, 2) if quick else (12.0, 4)
+    # Many short pairs rather than a few long ones (same seconds in all): see Pairs.run.
+    seconds, n_pairs = (2.0, 4) if quick else (3.0, 12)
     results = []
+    print(f"throughput: {n_pairs} pairs of ~{seconds:g} s runs; {load()}", flush=True)
     with Session(2) as s:
         s.run(f"import sys\nsys.path.insert(0, {BENCH_DIR!r})\nimport _workers")
         calibration = rate(s.run("_workers.train_steps(200)"))
         n = max(100, int(seconds * calibration))
         code = f"_workers.train_steps({n})"
         print(f"Session: {calibration:.1f} steps/s -> {n} steps per run", flush=True)
-        ratios, cpu = pairs("Session", lambda: s.run(code), lambda: s.run(code, wait=False).result(), n_pairs)
-    print(f"Session background / foreground: {fmt_list(ratios)}; per CPU second {fmt_list(cpu)}")
-    results.append(Result("37.1", "Session DDP loop: background / foreground", median(ratios), "x", ">= 0.97",
-                          median(ratios) >= 0.97))
-    results.append(Result("37.1", "the same, steps per CPU second", median(cpu), "x"))
+        session = Pairs("Session").run(lambda: s.run(code), lambda: s.run(code, wait=False).result(), n_pairs)
+    results += session.report("")
 
     ctx = in_torchddp()
-    ratios, cpu = pairs("ranch", lambda: ranch(2, _workers.train_steps, n, ctx=ctx),
-                        lambda: ranch(2, _workers.train_steps, n, ctx=ctx, wait=False).result(), n_pairs)
-    print(f"ranch background / foreground (rank 0 on the work's thread): {fmt_list(ratios)}; per CPU second "
-          f"{fmt_list(cpu)}")
-    results.append(Result("37.1", "ranch DDP loop: background / foreground", median(ratios), "x", ">= 0.97",
-                          median(ratios) >= 0.97))
-    results.append(Result("37.1", "the same, steps per CPU second", median(cpu), "x"))
+    ranch(2, _workers.train_steps, 100, ctx=ctx)  # warm: the caller's first DDP
+    calls = Pairs("ranch").run(lambda: ranch(2, _workers.train_steps, n, ctx=ctx),
+                               lambda: ranch(2, _workers.train_steps, n, ctx=ctx, wait=False).result(), n_pairs)
+    results += calls.report(" (rank 0 on the work's thread)")
+    if not quick:
+        results += torch_alone(n, 8)
     return results
 
 
