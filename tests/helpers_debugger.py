@@ -199,11 +199,18 @@ class DebugFrontend(KernelFrontend):
     # -- cells ---------------------------------------------------------------------------------
 
     def start(self, code: str) -> Cell:
-        """Execute ``code``; return at once (the cell may stop at a breakpoint)."""
-        msg_id = self.kc.execute(code, allow_stdin=False)
-        cell = Cell(msg_id)
+        """Execute ``code``; return at once (the cell may stop at a breakpoint).
+
+        The cell is filed before its request is sent, as JupyterLab's kernel future is: the
+        kernel can answer a short cell (busy, its result, idle) before this thread runs again
+        on a loaded machine, and the reader drops what no filed cell asked for."""
+        msg = self.kc.session.msg("execute_request", {
+            "code": code, "silent": False, "store_history": True, "user_expressions": {},
+            "allow_stdin": False, "stop_on_error": True})
+        cell = Cell(msg["header"]["msg_id"])
         with self._lock:
-            self.cells[msg_id] = cell
+            self.cells[cell.msg_id] = cell
+        self.kc.shell_channel.send(msg)
         return cell
 
     def finish(self, cell: Cell, timeout: float = 120.0) -> Cell:
@@ -222,6 +229,8 @@ class DebugFrontend(KernelFrontend):
         while not cell.idle and time.monotonic() < deadline:
             time.sleep(0.01)
         cell.status = reply["content"]["status"]
+        assert cell.idle, f"the kernel replied to the cell but did not go idle after it within {timeout} s " \
+                          f"(its outputs may be missing): {cell}"
         return cell
 
     def run(self, code: str, timeout: float = 120.0) -> Cell:
