@@ -12,8 +12,8 @@ for a fixed number of steps, launched two ways:
 
 Steps per second are measured inside the ranks, after 20 warm-up steps and a
 barrier: launch costs are excluded. Each side is warmed by one call first (ranch:
-the caller's first DDP, which also calibrates the number of steps, then the template's
-growth by what that call imported; the baseline: its server's torch import and a first job).
+the caller's first DDP, then the template's growth by what that call imported; the
+baseline: its server's torch import and a first job, which calibrates the number of steps).
 Then many short runs (~3 s; ~1.25 s with --quick) in A/B pairs (12; 4 with --quick, the
 same timed seconds as one pair of 5 s), alternating which goes first: a drift in the load of
 the machine touches both sides of a pair alike, and the median of many pairs shrugs off a
@@ -57,6 +57,8 @@ class TmpForkServer:
         code = f"import sys; sys.path.insert(0, {BENCH_DIR!r}); import _workers; _workers.tmp_fork_train_serve()"
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True)
+
+    def wait_ready(self) -> None:
         if self.proc.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the torch.multiprocessing server did not start (exit {self.proc.poll()})")
 
@@ -125,21 +127,23 @@ def main() -> int:
 
     mpify_nb.template.get_template().wait_ready()
     seconds, n_pairs = (1.25, 4) if args.quick else (3.0, 12)
-    # Warm-up, ranch: the caller's first DDP (its imports), then the template's growth by what
-    # that call imported, so that neither lands beside a timed run.
+    # Warm-up, each side: ranch, the caller's first DDP (its imports), then the template's growth by
+    # what that call imported; the baseline, its server's start (its torch import, beside ranch's
+    # warm-up) and a first job, whose steps/s sets the runs' length. Nothing of it lands beside a
+    # timed run.
     t0 = time.perf_counter()
-    calibration = rate(run_ranch(200))
-    t1 = time.perf_counter()
-    mpify_nb.template.wait_preloaded(timeout=120)
-    t2 = time.perf_counter()
-    n_steps = max(100, int(seconds * calibration))
     server = TmpForkServer()
     try:
+        run_ranch(100)
+        t1 = time.perf_counter()
+        mpify_nb.template.wait_preloaded(timeout=120)
+        server.wait_ready()
+        t2 = time.perf_counter()
+        calibration = rate(server.run(200))
         t3 = time.perf_counter()
-        server.run(100)  # warm-up, torch.multiprocessing: its first job
-        t4 = time.perf_counter()
-        print(f"warm-up: ranch's first call {t1 - t0:.1f} s, the template's growth {t2 - t1:.1f} s; the "
-              f"torch.multiprocessing server's start {t3 - t2:.1f} s, its first job {t4 - t3:.1f} s", flush=True)
+        n_steps = max(100, int(seconds * calibration))
+        print(f"warm-up: ranch's first call {t1 - t0:.1f} s, then the template's growth and the "
+              f"torch.multiprocessing server's start {t2 - t1:.1f} s more, its first job {t3 - t2:.1f} s", flush=True)
         print(f"calibration: {calibration:.1f} steps/s -> {n_pairs} pairs of {n_steps} steps a run "
               f"(~{seconds:g} s); {load()}", flush=True)
         pairs = Pairs().run({"ranch": run_ranch, "tmp": server.run}, n_steps, n_pairs)
