@@ -13,7 +13,8 @@ for a fixed number of steps, launched two ways:
 Steps per second are measured inside the ranks, after 20 warm-up steps and a
 barrier: launch costs are excluded. Each side is warmed by one call first (ranch:
 the caller's first DDP, then the template's growth by what that call imported; the
-baseline: its server's torch import and a first job, which calibrates the number of steps).
+baseline: its server's torch import and a first job; the faster of the two sets the number
+of steps).
 Then many short runs (~3 s; ~1.25 s with --quick) in A/B pairs (12; 4 with --quick, the
 same timed seconds as one pair of 5 s), alternating which goes first: a drift in the load of
 the machine touches both sides of a pair alike, and the median of many pairs shrugs off a
@@ -129,17 +130,18 @@ def main() -> int:
     seconds, n_pairs = (1.25, 4) if args.quick else (3.0, 12)
     # Warm-up, each side: ranch, the caller's first DDP (its imports), then the template's growth by
     # what that call imported; the baseline, its server's start (its torch import, beside ranch's
-    # warm-up) and a first job, whose steps/s sets the runs' length. Nothing of it lands beside a
+    # warm-up) and a first job. The faster one's steps/s sets the runs' length. Nothing of it lands beside a
     # timed run.
     t0 = time.perf_counter()
     server = TmpForkServer()
     try:
-        run_ranch(100)
+        warm = rate(run_ranch(100))
         t1 = time.perf_counter()
         mpify_nb.template.wait_preloaded(timeout=120)
         server.wait_ready()
         t2 = time.perf_counter()
-        calibration = rate(server.run(200))
+        # The faster of the two warm-up runs: a burst of other work slows a run, nothing speeds it.
+        calibration = max(warm, rate(server.run(200)))
         t3 = time.perf_counter()
         n_steps = max(100, int(seconds * calibration))
         print(f"warm-up: ranch's first call {t1 - t0:.1f} s, then the template's growth and the "
