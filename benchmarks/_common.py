@@ -44,6 +44,19 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def load() -> str:
+    """``load 3.6/4.1/4.7``: the machine's load averages (1, 5, 15 min), for a figure's line."""
+    return "load " + "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def spread(xs: list[float]) -> str:
+    """``median 0.991 (quartiles 0.962-1.013, 12 pairs)``."""
+    if len(xs) < 2:
+        return f"median {median(xs):.3f} ({len(xs)} pair)"
+    q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return f"median {median(xs):.3f} (quartiles {q1:.3f}-{q3:.3f}, {len(xs)} pairs)"
+
+
 def fmt_s(x: float) -> str:
     return f"{x * 1000:.1f} ms" if x < 1 else f"{x:.3f} s"
 

@@ -10,7 +10,8 @@ This module does not import mpify_nb: the baselines must not start a template.
 Entry points for the helper subprocesses (``python -c "import _workers; _workers.X()"``):
 
 * ``fork_floor_serve``: the fork floor of target 1, one repetition per line on stdin.
-* ``tmp_fork_train_main``: the torch.multiprocessing (fork) side of target 4.
+* ``tmp_fork_train_main``: the torch.multiprocessing (fork) side of target 4, one run.
+* ``tmp_fork_train_serve``: the same, a fresh job per line on stdin (target 4's many short runs).
 * ``tmp_thread_pairs_main``: issue 37's control: rank 0's loop on its main thread vs on a
   ``threading.Thread``, in a plain torch.multiprocessing job.
 """
@@ -206,6 +207,39 @@ def tmp_fork_train_main() -> None:
     world = 2
     tmp.start_processes(_tmp_train_entry, args=(world, _free_port(), n_steps, outdir), nprocs=world,
                         join=True, start_method="fork")
+
+
+def tmp_fork_train_serve() -> None:
+    """The baseline of target 4 as a server: this process imports torch once, then for each
+    number of steps read from stdin starts a fresh torch.multiprocessing job (start method fork,
+    2 ranks, a new port) that runs ``train_steps`` and ends, and answers one JSON line: the
+    ranks' reports. Each run's ranks are new forks of this torch-loaded process, as in
+    ``tmp_fork_train_main``; what a run no longer pays is this process's own start (python and
+    torch's import) nor, in each rank, DDP's first import of ``torch._dynamo``: 2-10 s on a
+    loaded 2-core machine, outside the timed steps either way, so that many short runs stay
+    cheap (as a ranch call's ranks, forked from a template that holds what earlier ones imported)."""
+    import tempfile
+
+    import torch._dynamo  # noqa: F401  what DDP's constructor imports (2-5 s): each run's forks inherit it
+    import torch.multiprocessing as tmp
+    import torch.nn.parallel  # noqa: F401
+
+    world = 2
+    out = sys.stdout
+    out.write("ready\n")
+    out.flush()
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        with tempfile.TemporaryDirectory() as outdir:
+            tmp.start_processes(_tmp_train_entry, args=(world, _free_port(), int(line), outdir), nprocs=world,
+                                join=True, start_method="fork")
+            reports = []
+            for r in range(world):
+                with open(os.path.join(outdir, f"rank{r}.json")) as f:
+                    reports.append(json.load(f))
+        out.write(json.dumps(reports) + "\n")
+        out.flush()
 
 
 def _on_a_thread(fn, *args):

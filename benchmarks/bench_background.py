@@ -30,13 +30,12 @@ from __future__ import annotations
 import json
 import os
 import queue
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-from _common import BENCH_DIR, Result, finish, machine_line, median, parse_args
+from _common import BENCH_DIR, Result, finish, load, machine_line, median, parse_args, spread
 from bench_debugging import start_kernel, stop_kernel
 
 TRAIN_FOREVER = (
@@ -62,18 +61,6 @@ def rate(reports, key: str = "steps_per_s") -> float:
     """Steps per second (or per CPU second): the mean over a run's ranks."""
     reports = list(reports.values()) if isinstance(reports, dict) else reports
     return sum(r[key] for r in reports) / len(reports)
-
-
-def load() -> str:
-    return "load " + "/".join(f"{x:.1f}" for x in os.getloadavg())
-
-
-def spread(xs: list[float]) -> str:
-    """``median 0.991 (quartiles 0.962-1.013, 12 pairs)``."""
-    if len(xs) < 2:
-        return f"median {median(xs):.3f} ({len(xs)} pair)"
-    q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
-    return f"median {median(xs):.3f} (quartiles {q1:.3f}-{q3:.3f}, {len(xs)} pairs)"
 
 
 class Pairs:
