@@ -20,7 +20,8 @@ the notebook for free. So the template comes to hold them too, and grows in plac
 
 Only modules installed under a ``site-packages`` (or ``dist-packages``) directory or in the
 standard library are ever imported there, never a module from the notebook's working directory
-(the user edits those; a rank must import their current version). Names given with
+(the user edits those; a rank must import their current version): those it only compiles, for
+ranks that find no compiled code on disk (``own_sources``, rank/code_cache.py). Names given with
 ``set_preload`` (start/template.py) are preloaded too.
 
 Only what the ranks import anyway: a module's import runs its side effects (a log line, a helper
@@ -91,12 +92,17 @@ def mark_failed(name: str, why: str) -> None:
 
 
 def learn(modules: Iterable[tuple[str, Optional[str]]], cwd: Optional[str] = None) -> None:
-    """Remember the modules a rank imported during a call ((name, file) pairs, in import order)."""
+    """Remember the modules a rank imported during a call ((name, file) pairs, in import order):
+    the installed ones for the template to import, the notebook's own for it to compile."""
     roots = Roots(cwd)
     with _lock:
         for name, file in modules:
-            if name not in _learned and _wanted_name(name) and roots.installed(file):
+            if name in _learned or not _wanted_name(name):
+                continue
+            if roots.installed(file):
                 _learned[name] = None
+            elif file and file.endswith(".py") and len(_sources) < _MOST_SOURCES:
+                _sources[file] = None
 
 
 def wanted(cwd: Optional[str] = None) -> list[str]:
@@ -132,6 +138,33 @@ def installed_for_call(cwd: Optional[str] = None) -> list[str]:
     installed = [n for n in names if roots.installed(getattr(sys.modules.get(n), "__file__", None))]
     answer = [n for n in installed if not inside(n, failed_now)]
     _for_call["last"] = (key, answer)
+    return answer
+
+
+#: The Python files of the notebook's own modules that earlier calls' ranks imported, in order.
+_sources: dict[str, None] = {}
+_MOST_SOURCES = 500
+_own: dict[str, Any] = {}  # the last answer of own_sources, and what it was made from
+
+
+def own_sources(cwd: Optional[str] = None) -> list[str]:
+    """The Python files of the notebook's own modules (not installed) that ranks import: those every
+    rank imports before its call (wire/modules.py) and those earlier calls' ranks imported. The
+    template compiles them for its ranks (rank/code_cache.py), never imports them; [] when off."""
+    if not _enabled:
+        return []
+    names = rank_imports.for_call()
+    key = (names, cwd, len(_sources))
+    known = _own.get("last")
+    if known is not None and known[0] == key:
+        return known[1]
+    roots = Roots(cwd)
+    files = [getattr(sys.modules.get(n), "__file__", None) or "" for n in names]
+    own = [f for f in files if f.endswith(".py") and not roots.installed(f)]
+    with _lock:
+        learned = list(_sources)
+    answer = list(dict.fromkeys(own + learned))[:_MOST_SOURCES]
+    _own["last"] = (key, answer)
     return answer
 
 
