@@ -119,7 +119,26 @@ def wanted(cwd: Optional[str] = None) -> list[str]:
     return [n for n in names if not inside(n, failed_now)]
 
 
-_for_call: dict[str, Any] = {}  # the last answer of installed_for_call, and what it was made from
+_for_call: dict[str, Any] = {}  # the last split of the notebook's modules, and what it was made from
+
+
+def _split_for_call(cwd: Optional[str]) -> tuple[list[str], list[str]]:
+    """The modules every rank imports before its call (the notebook's: wire/modules.py), split into
+    the installed ones (names) and the notebook's own (their Python files)."""
+    names = rank_imports.for_call()  # the same tuple while the notebook's modules are unchanged
+    known = _for_call.get("last")  # (key, answer), set in one step: another thread may read it meanwhile
+    if known is not None and known[0] == (names, cwd):
+        return known[1]
+    roots = Roots(cwd)
+    installed, own = [], []
+    for name in names:
+        file = getattr(sys.modules.get(name), "__file__", None)
+        if roots.installed(file):
+            installed.append(name)
+        elif file and file.endswith(".py"):
+            own.append(file)
+    _for_call["last"] = ((names, cwd), (installed, own))
+    return installed, own
 
 
 def installed_for_call(cwd: Optional[str] = None) -> list[str]:
@@ -127,24 +146,20 @@ def installed_for_call(cwd: Optional[str] = None) -> list[str]:
     less those that failed in a template; [] when preloading is off."""
     if not _enabled:
         return []
-    names = rank_imports.for_call()  # the same tuple while the notebook's modules are unchanged
     with _lock:
         failed_now = set(_failed)
-    key = (names, cwd, len(failed_now))
-    known = _for_call.get("last")  # (key, answer), set in one step: another thread may read it meanwhile
-    if known is not None and known[0] == key:
-        return known[1]
-    roots = Roots(cwd)
-    installed = [n for n in names if roots.installed(getattr(sys.modules.get(n), "__file__", None))]
+    installed = _split_for_call(cwd)[0]
+    known = _for_call.get("installed")  # (the split's list, failures, answer)
+    if known is not None and known[0] is installed and known[1] == len(failed_now):
+        return known[2]
     answer = [n for n in installed if not inside(n, failed_now)]
-    _for_call["last"] = (key, answer)
+    _for_call["installed"] = (installed, len(failed_now), answer)
     return answer
 
 
 #: The Python files of the notebook's own modules that earlier calls' ranks imported, in order.
 _sources: dict[str, None] = {}
 _MOST_SOURCES = 500
-_own: dict[str, Any] = {}  # the last answer of own_sources, and what it was made from
 
 
 def own_sources(cwd: Optional[str] = None) -> list[str]:
@@ -153,19 +168,12 @@ def own_sources(cwd: Optional[str] = None) -> list[str]:
     template compiles them for its ranks (rank/code_cache.py), never imports them; [] when off."""
     if not _enabled:
         return []
-    names = rank_imports.for_call()
-    key = (names, cwd, len(_sources))
-    known = _own.get("last")
-    if known is not None and known[0] == key:
-        return known[1]
-    roots = Roots(cwd)
-    files = [getattr(sys.modules.get(n), "__file__", None) or "" for n in names]
-    own = [f for f in files if f.endswith(".py") and not roots.installed(f)]
+    own = _split_for_call(cwd)[1]
     with _lock:
+        if not _sources:
+            return own[:_MOST_SOURCES]
         learned = list(_sources)
-    answer = list(dict.fromkeys(own + learned))[:_MOST_SOURCES]
-    _own["last"] = (key, answer)
-    return answer
+    return list(dict.fromkeys(own + learned))[:_MOST_SOURCES]
 
 
 def _wanted_name(name: str) -> bool:
