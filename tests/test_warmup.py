@@ -32,9 +32,10 @@ def run_script(source: str, **env: str) -> dict:
 
 def test_in_a_kernel_the_first_ddp_call_imports_nothing_and_no_rank_imports_the_warmups_modules(notebook):
     """In a kernel the warm-up starts once the cell that imported mpify_nb has finished (the user
-    writes the next one meanwhile): the notebook's first DDP imports nothing, the template holds
-    what a spawned rank's first DDP imports (made, then its first forward), and ranks do not import the warm-up's modules for the
-    notebook (with preloading off they are born without them, and stay so)."""
+    writes the next one meanwhile): the notebook's first DDP (made, then its first forward) imports
+    nothing, the template holds what a spawned rank's first DDP imports, and ranks do not import the
+    warm-up's modules for the notebook (with preloading off they are born without them, and stay
+    so); its training step drew no random number and made no CUDA context."""
     import nbutil
 
     cells = notebook([
