@@ -599,6 +599,18 @@ def modules_then_import(names: list) -> dict:
     return held
 
 
+def held_code_of(name: str) -> tuple:
+    """The module ``name``'s ``VALUE``, and whether this rank runs the code its template compiled for
+    it (rank/code_cache.py): its function ``f``'s code is a constant of that very code object."""
+    import importlib
+
+    from mpify_nb.rank import code_cache
+
+    module = importlib.import_module(name)
+    held = code_cache._held.get((module.__file__, -1))
+    return module.VALUE, held is not None and any(c is module.f.__code__ for c in held[1].co_consts)
+
+
 def long_line_then_sleep(size: int, seconds: float) -> int:
     """Rank 1 writes ``size`` characters of JSON with no newline (``json.dump`` to stdout), then
     every rank sleeps ``seconds``."""

@@ -7,6 +7,7 @@ ends with a fresh template and a blank preload memory.
 
 from __future__ import annotations
 
+import importlib.machinery
 import sys
 import uuid
 
@@ -14,6 +15,7 @@ import pytest
 
 import helpers_ranks as hr
 import mpify_nb
+from mpify_nb.rank import code_cache, imports_news
 from mpify_nb.start import preload, template
 from mpify_nb.wire import modules as rank_modules
 
@@ -37,6 +39,7 @@ def fresh(rank_imports_from_here):
         preload._learned.clear()
         preload._failed.clear()
         preload._named.clear()
+        preload._sources.clear()
         preload._enabled = enabled
 
     was = preload.enabled()  # off for the rest of the suite (conftest): leave it so
@@ -84,6 +87,65 @@ def test_working_directory_modules_are_never_preloaded(tmp_path, monkeypatch):
         assert template.get_template().lacks([name]) == [name]
     finally:
         sys.modules.pop(name, None)
+
+
+def test_the_notebooks_own_modules_are_compiled_by_the_template_once_an_edit_is_seen(tmp_path, monkeypatch):
+    """Where Python keeps no compiled code (PYTHONDONTWRITEBYTECODE), every rank compiled the
+    notebook's own modules again on every call: the template compiles each version of their files
+    once (never imports them), and a rank takes that code for the very source it reads."""
+    name = f"mpify_own_{uuid.uuid4().hex[:8]}"
+    path = tmp_path / f"{name}.py"
+    path.write_text("VALUE = 1\n\n\ndef f():\n    return VALUE\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    __import__(name)  # the notebook imported it: every rank imports it before its call
+    try:
+        assert mpify_nb.ranch(2, hr.held_code_of, name, caller_rank=None) == [(1, True)] * 2
+        path.write_text("VALUE = 22  # edited\n\n\ndef f():\n    return VALUE\n")
+        assert mpify_nb.ranch(2, hr.held_code_of, name, caller_rank=None) == [(22, True)] * 2
+        assert template.get_template().lacks([name]) == [name]  # compiled there, never imported
+    finally:
+        sys.modules.pop(name, None)
+
+
+def test_held_code_serves_only_the_source_it_was_compiled_from(tmp_path, monkeypatch):
+    loader = importlib.machinery.SourceFileLoader
+    monkeypatch.setattr(loader, "source_to_code", loader.source_to_code)  # ours goes with the test
+    monkeypatch.setattr(code_cache, "_original", None)
+    monkeypatch.setattr(code_cache, "_held", {})
+    monkeypatch.setattr(code_cache, "_seen", {})
+    code_cache.install()
+    path = tmp_path / "own.py"
+    path.write_text("X = 1\n")
+    code_cache.hold([str(path)])
+    held = code_cache._held[(str(path), -1)][1]
+    assert loader("own", str(path)).source_to_code(path.read_bytes(), str(path)) is held
+    edited = loader("own", str(path)).source_to_code(b"X = 2\n", str(path))  # edited since it was held
+    assert edited is not held and eval(edited, {}) is None
+    # One that warns when compiled is left to the rank, which shows the warning as before.
+    warns = tmp_path / "warns.py"
+    warns.write_text('S = "\\d"\n')
+    code_cache.hold([str(warns), str(tmp_path / "gone.py")])
+    assert (str(warns), -1) not in code_cache._held
+
+
+def test_a_ranks_news_are_what_it_imported_since_birth_in_import_order(monkeypatch):
+    monkeypatch.setattr(imports_news, "_born_with", set())
+    monkeypatch.setattr(imports_news, "_told", set())
+    monkeypatch.setattr(imports_news, "_held_len", -1)
+    first, second = unused(2)
+    imports_news.born()
+    assert imports_news.news() == []
+    try:
+        for name in (first, second):
+            __import__(name)
+        told = [name for name, _ in imports_news.news()]  # with what they imported that was new
+        assert [name for name in told if name in (first, second)] == [first, second]
+        assert imports_news.news() == []  # told once
+    finally:
+        for name in (first, second):
+            sys.modules.pop(name, None)
 
 
 def test_set_preload_false_turns_it_off():

@@ -32,21 +32,23 @@ def run_script(source: str, **env: str) -> dict:
 
 def test_in_a_kernel_the_first_ddp_call_imports_nothing_and_no_rank_imports_the_warmups_modules(notebook):
     """In a kernel the warm-up starts once the cell that imported mpify_nb has finished (the user
-    writes the next one meanwhile): the notebook's first DDP imports nothing, the template holds
-    what a spawned rank's first DDP imports, and ranks do not import the warm-up's modules for the
-    notebook (with preloading off they are born without them, and stay so)."""
+    writes the next one meanwhile): the notebook's first DDP (made, then its first forward) imports
+    nothing, the template holds what a spawned rank's first DDP imports, and ranks do not import the
+    warm-up's modules for the notebook (with preloading off they are born without them, and stay
+    so); its training step drew no random number and made no CUDA context."""
     import nbutil
 
     cells = notebook([
-        "import json, sys, torch\nimport mpify_nb\nmpify_nb.set_preload(True)",
+        "import json, sys, torch\nimport mpify_nb\nmpify_nb.set_preload(True)\nrng = torch.random.get_rng_state()",
         "from mpify_nb.torchdist import warmup\nfrom mpify_nb.start import template\n"
-        "print(warmup.wait(240), warmup.outcome, template.wait_preloaded(240))",
+        "print(warmup.wait(240), warmup.outcome, template.wait_preloaded(240))\n"
+        "print(torch.equal(rng, torch.random.get_rng_state()), torch.cuda.is_initialized())  # its step drew nothing",
         "from mpify_nb import in_torchddp, ranch\n"
         "from mpify_nb.rank import imports_news\n"
         "def first_ddp():\n"
         "    from torch.nn.parallel import DistributedDataParallel as DDP\n"
         "    before = set(sys.modules)\n"
-        "    DDP(torch.nn.Linear(4, 4))\n"
+        "    DDP(torch.nn.Linear(4, 4))(torch.ones(2, 4)).sum().backward()  # made, a step\n"
         "    return sorted(set(sys.modules) - before), 'torch._dynamo' in imports_news._born_with\n"
         "found = ranch(2, first_ddp, ctx=in_torchddp())\n"
         "mpify_nb.set_preload(False)\n"
@@ -54,7 +56,7 @@ def test_in_a_kernel_the_first_ddp_call_imports_nothing_and_no_rank_imports_the_
         "'cuda': torch.cuda.is_initialized(), "
         "'ranks_hold': ranch(2, lambda: 'torch._dynamo' in sys.modules, caller_rank=None)}))",
     ], timeout=300)
-    assert nbutil.stream_text(cells[1]) == "True imported True\n"
+    assert nbutil.stream_text(cells[1]) == "True imported True\nTrue False\n"
     assert json.loads(nbutil.stream_text(cells[2])) == {"notebook": [], "rank_born_with_it": True, "cuda": False,
                                                          "ranks_hold": [False, False]}
 

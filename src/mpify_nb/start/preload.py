@@ -20,7 +20,8 @@ the notebook for free. So the template comes to hold them too, and grows in plac
 
 Only modules installed under a ``site-packages`` (or ``dist-packages``) directory or in the
 standard library are ever imported there, never a module from the notebook's working directory
-(the user edits those; a rank must import their current version). Names given with
+(the user edits those; a rank must import their current version): those it only compiles, for
+ranks that find no compiled code on disk (``own_sources``, rank/code_cache.py). Names given with
 ``set_preload`` (start/template.py) are preloaded too.
 
 Only what the ranks import anyway: a module's import runs its side effects (a log line, a helper
@@ -91,12 +92,17 @@ def mark_failed(name: str, why: str) -> None:
 
 
 def learn(modules: Iterable[tuple[str, Optional[str]]], cwd: Optional[str] = None) -> None:
-    """Remember the modules a rank imported during a call ((name, file) pairs, in import order)."""
+    """Remember the modules a rank imported during a call ((name, file) pairs, in import order):
+    the installed ones for the template to import, the notebook's own for it to compile."""
     roots = Roots(cwd)
     with _lock:
         for name, file in modules:
-            if name not in _learned and _wanted_name(name) and roots.installed(file):
+            if name in _learned or not _wanted_name(name):
+                continue
+            if roots.installed(file):
                 _learned[name] = None
+            elif file and file.endswith(".py") and len(_sources) < _MOST_SOURCES:
+                _sources[file] = None
 
 
 def wanted(cwd: Optional[str] = None) -> list[str]:
@@ -113,7 +119,26 @@ def wanted(cwd: Optional[str] = None) -> list[str]:
     return [n for n in names if not inside(n, failed_now)]
 
 
-_for_call: dict[str, Any] = {}  # the last answer of installed_for_call, and what it was made from
+_for_call: dict[str, Any] = {}  # the last split of the notebook's modules, and what it was made from
+
+
+def _split_for_call(cwd: Optional[str]) -> tuple[list[str], list[str]]:
+    """The modules every rank imports before its call (the notebook's: wire/modules.py), split into
+    the installed ones (names) and the notebook's own (their Python files)."""
+    names = rank_imports.for_call()  # the same tuple while the notebook's modules are unchanged
+    known = _for_call.get("last")  # (key, answer), set in one step: another thread may read it meanwhile
+    if known is not None and known[0] == (names, cwd):
+        return known[1]
+    roots = Roots(cwd)
+    installed, own = [], []
+    for name in names:
+        file = getattr(sys.modules.get(name), "__file__", None)
+        if roots.installed(file):
+            installed.append(name)
+        elif file and file.endswith(".py"):
+            own.append(file)
+    _for_call["last"] = ((names, cwd), (installed, own))
+    return installed, own
 
 
 def installed_for_call(cwd: Optional[str] = None) -> list[str]:
@@ -121,18 +146,34 @@ def installed_for_call(cwd: Optional[str] = None) -> list[str]:
     less those that failed in a template; [] when preloading is off."""
     if not _enabled:
         return []
-    names = rank_imports.for_call()  # the same tuple while the notebook's modules are unchanged
     with _lock:
         failed_now = set(_failed)
-    key = (names, cwd, len(failed_now))
-    known = _for_call.get("last")  # (key, answer), set in one step: another thread may read it meanwhile
-    if known is not None and known[0] == key:
-        return known[1]
-    roots = Roots(cwd)
-    installed = [n for n in names if roots.installed(getattr(sys.modules.get(n), "__file__", None))]
+    installed = _split_for_call(cwd)[0]
+    known = _for_call.get("installed")  # (the split's list, failures, answer)
+    if known is not None and known[0] is installed and known[1] == len(failed_now):
+        return known[2]
     answer = [n for n in installed if not inside(n, failed_now)]
-    _for_call["last"] = (key, answer)
+    _for_call["installed"] = (installed, len(failed_now), answer)
     return answer
+
+
+#: The Python files of the notebook's own modules that earlier calls' ranks imported, in order.
+_sources: dict[str, None] = {}
+_MOST_SOURCES = 500
+
+
+def own_sources(cwd: Optional[str] = None) -> list[str]:
+    """The Python files of the notebook's own modules (not installed) that ranks import: those every
+    rank imports before its call (wire/modules.py) and those earlier calls' ranks imported. The
+    template compiles them for its ranks (rank/code_cache.py), never imports them; [] when off."""
+    if not _enabled:
+        return []
+    own = _split_for_call(cwd)[1]
+    with _lock:
+        if not _sources:
+            return own[:_MOST_SOURCES]
+        learned = list(_sources)
+    return list(dict.fromkeys(own + learned))[:_MOST_SOURCES]
 
 
 def _wanted_name(name: str) -> bool:

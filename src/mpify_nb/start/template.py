@@ -122,6 +122,7 @@ def ready_for_call() -> tuple[TemplateClient, float]:
         _settle_learning()
         wanted = first_wanted() + wanted_now()
         client.grow(wanted, preload.site_paths())
+        client.compile(preload.own_sources(_cwd()))  # the notebook's own modules: compiled, not imported
         try:
             client.wait_grown(None, STEP_PATIENCE, wanted)
         except TemplateUnresponsive:  # stuck in one import: leave that module out, start over
@@ -145,11 +146,15 @@ _TRIES = 3
 def wanted_now() -> list[str]:
     """What the template should hold for the next call: the named and learned modules
     (start/preload.py), and the installed ones a rank imports before its call (wire/modules.py)."""
-    try:
-        cwd: Optional[str] = os.getcwd()
-    except OSError:
-        cwd = None
+    cwd = _cwd()
     return preload.wanted(cwd) + preload.installed_for_call(cwd)
+
+
+def _cwd() -> Optional[str]:
+    try:
+        return os.getcwd()
+    except OSError:
+        return None
 
 
 def _replace(client: TemplateClient) -> None:

@@ -13,6 +13,7 @@ close it.
       |<------------------- FORKED id, pid -----|  (or REFUSED id, why)
       |<---------------- EXITED pid, status ----|
       | -- RETIRE ----------------------------->| (drops its queue)
+      | -- COMPILE files ---------------------->| the notebook's own modules compiled, for its ranks
       |  (control socket closes: caller died)   | SIGKILL every rank it forked, exit
 
 What a rank holds when it is born is what its template held when it forked it: the GREW
@@ -35,7 +36,7 @@ from typing import Callable, NoReturn, Optional
 
 from ..wire import framing
 from .environ import _env_signature, bootstrap_env, own_process_group
-from .template_process import EXITED, FORK, FORKED, GREW, GROW, READY, REFUSED, REJECTED, RETIRE, TRYING
+from .template_process import COMPILE, EXITED, FORK, FORKED, GREW, GROW, READY, REFUSED, REJECTED, RETIRE, TRYING
 
 
 class TemplateDied(RuntimeError):
@@ -235,12 +236,20 @@ class TemplateClient:
                 return []
             new = self.held.to_ask(names)
         if new:
-            try:
-                with self._send_lock:
-                    framing.send(self._control, pickle.dumps((GROW, new, list(paths))))
-            except OSError:
-                pass  # it is gone: the reader says so
+            self._tell((GROW, new, list(paths)))
         return new
+
+    def compile(self, files: Sequence[str]) -> None:
+        """Have it compile these sources (the notebook's own modules) for its ranks (rank/code_cache.py)."""
+        if files and not (self._retiring or self._dead):
+            self._tell((COMPILE, list(files)))
+
+    def _tell(self, message: tuple) -> None:
+        try:
+            with self._send_lock:
+                framing.send(self._control, pickle.dumps(message))
+        except OSError:
+            pass  # it is gone: the reader says so
 
     @property
     def growing(self) -> bool:
@@ -287,11 +296,7 @@ class TemplateClient:
             self.held.queued.clear()
             idle = not self._alive_ranks() and not self._in_flight
         if first and not idle:
-            try:
-                with self._send_lock:
-                    framing.send(self._control, pickle.dumps((RETIRE,)))
-            except OSError:
-                pass
+            self._tell((RETIRE,))
             threading.Thread(target=self._close_when_idle, name="mpify_nb-template-retire", daemon=True).start()
         if idle and wait:
             self.close("retired")

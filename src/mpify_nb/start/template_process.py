@@ -11,6 +11,8 @@ start/template_client.py and start/template.py, which start it
     (FORK, id[, "spare"]) + fds ─────────────>  os.fork(): the child becomes a rank (rank.loop.main)
                                                 or a spare rank (rank.spare.main); FORKED id, pid
     (RETIRE,) ───────────────────────────────>  drop the queue: it forks no more (the caller's side)
+    (COMPILE, files) ────────────────────────>  compile the notebook's own modules' sources, for
+                                                its ranks' imports of them (rank/code_cache.py)
                                          loop:  read every frame waiting; then import the next
                                                 queued module: (TRYING, name), then
                                                 (GREW, name, new names, why it failed or "")
@@ -37,12 +39,13 @@ import sys
 import threading
 from typing import NoReturn
 
-from ..rank import process
+from ..rank import code_cache, imports_news, process
 from ..wire import framing
 
 #: The messages between the caller and its template (pickled tuples on the control socket).
 FORK, FORKED, EXITED, READY, GROW, RETIRE, REFUSED = "fork", "forked", "exited", "ready", "grow", "retire", "refused"
 TRYING, GREW, REJECTED = "trying", "grew", "rejected"
+COMPILE = "compile"
 
 #: What every template imports before it serves forks (what it grows comes on top).
 PRELOAD = ("torch", "torch.distributed", "numpy")
@@ -64,6 +67,7 @@ def serve(control_fd: int) -> None:
     )
 
     checks.install()  # the collective check: every name a rank's code takes from torch.distributed is ours
+    code_cache.install()  # a rank's import of the notebook's own modules takes the code compiled here
 
     process.set_process_name("mpify_nb-tmpl")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the caller decides when ranks stop
@@ -150,6 +154,11 @@ class Template:
             self.queue.extend(rest[0])  # the caller asks each name once
         elif kind == RETIRE:
             self.queue.clear()
+        elif kind == COMPILE:
+            try:
+                code_cache.hold(rest[0])  # before the FORK that follows it on this socket
+            except Exception:
+                pass  # only a speed-up is lost
         elif kind == FORK:
             request_id = rest[0]
             if self.unsafe:
@@ -158,6 +167,7 @@ class Template:
                 self.reply(REFUSED, request_id, self.unsafe)
                 return
             role = rest[1] if len(rest) > 1 else "rank"
+            imports_news.hold_current()  # what the rank is born holding, read here once, not per rank
             pid = os.fork()
             if pid == 0:
                 _become(role, fds, self.control, self.child_r, self.child_w)

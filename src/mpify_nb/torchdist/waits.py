@@ -268,8 +268,12 @@ def _add_pending(ops: list[Op]) -> None:
             ops.append(replace(op, called=True))
 
 
-#: How many more times a returning rank reads its recorder for entries still being retired.
-_RETIRE_LOOKS = 5
+#: How long a returning rank waits for the collectives it returned from to be retired, and its
+#: first and longest pause between two reads of its recorder. gloo retires one on its worker
+#: thread a moment after ``wait()`` returned, usually well within a millisecond: a fixed 10 ms
+#: pause cost a call 10 ms whenever the first read came too soon (a read costs ~0.3 ms).
+_RETIRE_PATIENCE = 0.05
+_RETIRE_PAUSES = (0.0002, 0.01)
 
 
 def snapshot_of_return(rank: int, settle: bool = True) -> Optional[Snapshot]:
@@ -282,12 +286,13 @@ def snapshot_of_return(rank: int, settle: bool = True) -> Optional[Snapshot]:
         return None
     groups = groups_now() or None
     ops = entries_to_ops(entries, groups, _groups_born_ns)
-    for _ in range(_RETIRE_LOOKS if settle else 0):
-        if all(o.done for o in ops):
-            break
+    deadline = time.monotonic() + (_RETIRE_PATIENCE if settle else 0.0)
+    pause, longest = _RETIRE_PAUSES
+    while not all(o.done for o in ops) and time.monotonic() < deadline:
         # A collective it returned from is retired a moment after (gloo's work finishes after
         # wait() returns): read again, so it is told as done (a wrong value, not a mismatch).
-        time.sleep(0.01)
+        time.sleep(pause)
+        pause = min(pause * 2, longest)
         ops = entries_to_ops(_recorder_entries(force=True), groups, _groups_born_ns)
     return Snapshot(rank, tuple(ops), doing="returned") if ops else None
 

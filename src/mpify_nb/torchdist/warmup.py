@@ -10,8 +10,15 @@ thread imports it, and asks the template to hold it too (a spawned rank's first 
 
     import mpify_nb (in a kernel) ── post_run_cell, once ──> start(after=the template started)
         thread: wait for the template; torch imported here? take the import lock while no
-        other thread is inside an import; import torch._dynamo; release; then the hooks
+        other thread is inside an import; import torch._dynamo; release; a first training step
+        of a private model, the lock held the same way (a CPU-only torch); then the hooks
         (mpify_nb/__init__.py: the template grows it, the ranks' preamble leaves it out)
+
+The step: a process's first forward, backward and optimizer step pay once what the later ones do
+not (the dispatcher's first look-ups of each op, autograd's engine, the optimizer's first step and
+the dynamo-disabled wrappers it goes through): the first DDP call's own steps paid ~5 ms of it.
+What only the calling thread can pay (its OpenMP team, its thread-local state), the first call
+still does: ~1.1-1.3x its later ones on 2 CPU cores.
 
 A script has no time between its calls: nothing is warmed there (a call would wait for it).
 
@@ -23,7 +30,10 @@ Safe where it runs:
   for its end (once, seconds), and so does a fork (``os.fork`` takes that lock), so a DataLoader
   worker forked in the notebook never copies a half-made module;
 * it creates no CUDA context (``torch.cuda.is_initialized()`` stays False): importing
-  ``torch._dynamo`` asks at most ``torch.cuda.is_available()``, which makes none;
+  ``torch._dynamo`` asks at most ``torch.cuda.is_available()``, which makes none; the step runs
+  only where torch is built for the CPU alone (on a CUDA build autograd's first backward asks the
+  CUDA driver for its devices), on tensors of its own, drawing no random number (the notebook's
+  random streams are untouched);
 * ``MPIFY_NB_PREWARM=0`` turns it off, with the template's start at import.
 """
 
@@ -42,8 +52,9 @@ try:
 except ImportError:  # not CPython: no import lock to take
     _imp = None  # type: ignore[assignment]
 
-#: What DistributedDataParallel imports the first time it is made in a process.
-DDP_LAZY_IMPORTS = ("torch._dynamo",)
+#: What DistributedDataParallel imports the first time it is made in a process, then at its first
+#: forward (its ``record_function`` looks once for torch's optional CUPTI monitor: ~1.3 ms).
+DDP_LAZY_IMPORTS = ("torch._dynamo", "torch.profiler._cupti_monitor")
 
 _lock = threading.Lock()
 _thread: Optional[threading.Thread] = None
@@ -63,16 +74,20 @@ def enabled() -> bool:
 
 
 def start(after: Optional[Callable[[], object]] = None, modules: Sequence[str] = DDP_LAZY_IMPORTS,
-          need_torch: bool = True) -> None:
+          need_torch: bool = True, step: Optional[bool] = None) -> None:
     """Import ``modules`` on a daemon thread, once per process, after ``after()`` returns (the
-    template's start); with ``need_torch``, only if the notebook has imported torch by then."""
+    template's start); with ``need_torch``, only if the notebook has imported torch by then;
+    with ``step`` (default: for the first DDP's modules), then take a first training step of a
+    private model (a CPU-only torch)."""
+    if step is None:
+        step = tuple(modules) == DDP_LAZY_IMPORTS
     global _thread
     if not enabled():
         return
     with _lock:
         if _thread is not None:
             return
-        _thread = threading.Thread(target=_run, args=(after, tuple(modules), need_torch),
+        _thread = threading.Thread(target=_run, args=(after, tuple(modules), need_torch, step),
                                    name="mpify_nb-warm-ddp", daemon=True)
         _thread.start()
 
@@ -88,7 +103,7 @@ def wait(timeout: Optional[float] = None) -> bool:
     return _done.wait(timeout)
 
 
-def _run(after: Optional[Callable[[], object]], modules: tuple[str, ...], need_torch: bool) -> None:
+def _run(after: Optional[Callable[[], object]], modules: tuple[str, ...], need_torch: bool, step: bool) -> None:
     global outcome
     try:
         if after is not None:
@@ -101,7 +116,15 @@ def _run(after: Optional[Callable[[], object]], modules: tuple[str, ...], need_t
         else:
             added: list[str] = []
             for name in missing:
-                added += import_alone(name)
+                try:
+                    added += import_alone(name)
+                except ModuleNotFoundError:
+                    continue  # not in this torch: its first DDP does not import it either
+            if step and "torch" in sys.modules and _cpu_only_torch():
+                try:
+                    added += alone(_first_step)
+                except Exception:
+                    pass  # only its speed-up is lost: the imports stand
             for hook in list(_hooks):
                 hook(added)
             outcome = "imported"
@@ -112,13 +135,18 @@ def _run(after: Optional[Callable[[], object]], modules: tuple[str, ...], need_t
 
 
 def import_alone(name: str, patience: float = 600.0) -> list[str]:
-    """Import ``name`` holding the import lock, taken once no other thread is inside an import;
-    the modules that import added. They are counted while the lock is held: what another thread
+    """Import ``name`` holding the import lock (:func:`alone`); the modules that import added."""
+    return alone(lambda: importlib.import_module(name), patience)
+
+
+def alone(work: Callable[[], object], patience: float = 600.0) -> list[str]:
+    """Run ``work()`` holding the import lock, taken once no other thread is inside an import;
+    the modules it imported. They are counted while the lock is held: what another thread
     imported while this one waited for it (the user's next cell importing fastai, say) is the
     notebook's, not ours, and its ranks must import it."""
     if _imp is None:
         before = set(sys.modules)
-        importlib.import_module(name)
+        work()
         return [n for n in list(sys.modules) if n not in before]
     deadline = time.monotonic() + patience
     while True:
@@ -131,10 +159,34 @@ def import_alone(name: str, patience: float = 600.0) -> list[str]:
         time.sleep(0.05)
     try:
         before = set(sys.modules)
-        importlib.import_module(name)
+        work()
         return [n for n in list(sys.modules) if n not in before]
     finally:
         _imp.release_lock()
+
+
+def _cpu_only_torch() -> bool:
+    """Is torch built for the CPU alone (no CUDA, ROCm, XPU or MPS for autograd to ask about)?"""
+    torch = sys.modules["torch"]
+    return (torch.version.cuda is None and getattr(torch.version, "hip", None) is None
+            and not getattr(torch._C, "_has_xpu", False) and not torch.backends.mps.is_built())
+
+
+def _first_step() -> None:
+    """A training step of a private 4-4-1 perceptron on the CPU, drawing no random number."""
+    import torch
+
+    layers = [torch.nn.utils.skip_init(torch.nn.Linear, 4, k) for k in (4, 1)]  # no init: no random draw
+    with torch.no_grad():
+        for layer in layers:
+            layer.weight.fill_(0.5)
+            layer.bias.zero_()
+    model = torch.nn.Sequential(layers[0], torch.nn.ReLU(), layers[1])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = torch.nn.functional.mse_loss(model(torch.ones(2, 4)), torch.zeros(2, 1))
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
 
 
 def _another_thread_imports() -> bool:
