@@ -510,6 +510,65 @@ def test_session_on_ray_survives_a_mismatched_collective_and_a_dead_rank(on_ray)
     _assert_nothing_left(pids)
 
 
+def test_a_port_taken_on_the_stores_node_is_never_the_stores(cluster):
+    """The store's host binds its port itself and the caller tells the others: a port the caller
+    chose for another host could be taken there before the host bound it (a Session's restart
+    once failed with EADDRINUSE under xdist). Here another process holds every port such a blind
+    choice could take (from 24000, above Ray's own ranges, to the kernel's ephemeral range) on a
+    node of this test's own (no other test's ranks land there): a call and a Session, started and
+    restarted, still meet."""
+    import resource
+    import subprocess
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < low - 24000 + 100:
+        pytest.skip(f"holding {low - 24000} ports needs more open files than a process may have ({hard})")
+    address = "127.0.0.5"
+    node = cluster[0].add_node(num_cpus=2, node_ip_address=address, resources={"busy_ports": 2})
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_PORTS, address, "24000", str(low)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    pids = []
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+        mpify_nb.set_placement("ray", address=cluster[0].address, resources={"busy_ports": 1})
+        out = ranch(3, _allreduce, torch.zeros(2), ctx=in_torchddp())
+        assert [t.tolist() for t in out] == [[6.0, 6.0]] * 3
+        with mpify_nb.Session(2) as s:
+            assert [r.node for r in s.status()] == [address, address]
+            assert s.run("t = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\nt.item()") == {0: 3.0, 1: 3.0}
+            s.restart([1])  # rank 0, the store's host, binds another port in place; the new rank 1 is told it
+            assert s.run("t = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\nt.item()") == {0: 3.0, 1: 3.0}
+            pids = [r.pid for r in s.status()]
+    finally:
+        mpify_nb.set_placement("local")
+        holder.kill()
+        holder.wait()
+        cluster[0].remove_node(node)
+    _assert_nothing_left(pids)
+
+
+#: Another process that holds ports argv[2] to argv[3] of address argv[1] until its stdin closes: bound,
+#: not listening (a listening one would take the notebook's store client in: it would wait in C++ for an
+#: answer that never comes, as before this fix, where no timeout reaches it).
+_HOLD_PORTS = """
+import resource, socket, sys
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+held = []
+for port in range(int(sys.argv[2]), int(sys.argv[3])):
+    sock = socket.socket()
+    try:
+        sock.bind((sys.argv[1], port))
+        held.append(sock)
+    except OSError:
+        sock.close()  # held already: taken all the same
+print("holding", flush=True)
+sys.stdin.read()
+"""
+
+
 def test_node_removed_during_collective(on_ray):
     """A node leaves the cluster while its rank waits in a collective (after every test that needs both)."""
     c, nodes = on_ray

@@ -229,6 +229,27 @@ def test_the_list_is_the_notebooks_modules_less_the_standard_library_and_the_ker
     assert pickle.loads(modules.preamble(names, held)) == (patch,)  # what the rank's template lacks only
 
 
+def test_the_debuggers_top_level_modules_are_the_kernels(monkeypatch):
+    """debugpy puts its copy of pydevd on sys.path: once the frontend's debugger ran, the notebook
+    holds some twenty top-level modules of it (pydevd_file_utils, pydev_ipython, pydevconsole...),
+    which are the kernel's, never a call's. Each one debugpy ships, as the import system would
+    hold it (not run here: it patches the process)."""
+    import importlib.util
+    from pathlib import Path
+
+    debugpy = pytest.importorskip("debugpy")
+    root = Path(debugpy.__file__).parent / "_vendored" / "pydevd"
+    files = {p.stem: p for p in root.glob("*.py")} | {p.parent.name: p for p in root.glob("*/__init__.py")}
+    files.pop("setup_pydevd_cython")  # its build script, never imported
+    assert {"pydevd_file_utils", "pydev_ipython", "pydevconsole", "pydevd_tracing", "_pydev_runfiles"} <= set(files)
+    for name, file in files.items():
+        if name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(name, file)
+            assert spec is not None
+            monkeypatch.setitem(sys.modules, name, importlib.util.module_from_spec(spec))
+    assert sorted(set(files) & set(modules.for_call())) == []
+
+
 def test_leave_out_and_off(patched):
     base, patch, use = patched
     try:

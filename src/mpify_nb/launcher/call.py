@@ -11,8 +11,10 @@ the ranks exit after it. Data flow of one call::
     engine.spawn(r) ─ placer.start(r) ──────────────────────> born (forked from template, spawned,
                                                                  or forked on a Ray node: ray_ranks/)
     send setup + CALL ───────── socketpair ─────────────────> load call    (rank/loop.py: rank.loop.serve)
+                          <──────────────────────────────────  STORE: the store's port (its host, on Ray)
     wait for every READY  <──────────────────────────────────  READY
-    send GO to all ─────────────────────────────────────────> (no rendezvous before every rank loaded)
+    send GO to all ─────────────────────────────────────────> (no rendezvous before every rank loaded;
+                                                                 on Ray, GO tells the store's port)
     [caller enters ctx, runs fn:       (watch thread:           enters ctx, runs fn
      launcher/own_rank.py]                       engine.pump,
                                          engine/watch.py: LOOK ──> control thread: SEEN
@@ -54,7 +56,7 @@ from ..start import environ, placement
 from ..torchdist import compat, rendezvous, waits
 from ..wire import framing, payload, shm
 from ..wire.errors import RankError, RemoteFailure, safe_str
-from ..wire.protocol import CALL, DONE, FAIL, GO, GPU_USED, IMPORTED, READY, pack
+from ..wire.protocol import CALL, DONE, FAIL, GO, GPU_USED, IMPORTED, READY, STORE, pack
 from . import own_rank
 from .next_call import ForNextCall
 from .outcome import Outcome
@@ -101,6 +103,8 @@ class Call(WatchedCall):
         self.outcome = Outcome(self._stop_everything, self.engine.wake)
         self.engine.user_waits.open_prompts()  # ranks' reads of stdin, asked of the user (on this thread)
         self.engine.on(READY, self._on_ready)
+        self.engine.on(STORE, self._on_store)
+        self.store_port: Optional[int] = None  # the port the store's host bound on its Ray node
         self.news = ForNextCall(self.engine)  # what the ranks imported, the GPUs they used
         self.engine.on(DONE, self._on_value)
         self.engine.on(FAIL, self._on_error)
@@ -147,8 +151,9 @@ class Call(WatchedCall):
             relay.start()
             self._watch(until=lambda: all(r.ready or r.done for r in self.ranks.values()))
             if not self.outcome.over:
+                told = _tell_store_port(env, self.store_port)
                 for handle in self.ranks.values():
-                    self.engine.send(handle, GO, _REQUEST)  # one that just died: the watch reports how
+                    self.engine.send(handle, GO, _REQUEST, told)  # one that just died: the watch reports how
                 self._begin_watch()
                 if self.caller_rank is None:
                     self._watch(until=self._all_done)
@@ -283,6 +288,9 @@ class Call(WatchedCall):
 
     def _on_ready(self, handle: _Rank, req: int, body: Any, fds: list) -> None:
         handle.ready = True
+
+    def _on_store(self, handle: _Rank, req: int, body: Any, fds: list) -> None:
+        self.store_port = pickle.loads(body)
 
     def _on_value(self, handle: _Rank, req: int, body: Any, fds: list) -> None:
         handle.done = True
@@ -420,6 +428,15 @@ def _store_host(nprocs: int, caller_rank: Optional[int]) -> Optional[int]:
     the ranks then frees a caller blocked in the rendezvous: torchdist/rendezvous.py); None
     when the caller is the only rank."""
     return next((r for r in range(nprocs) if r != caller_rank), None)
+
+
+def _tell_store_port(env: dict, port: Optional[int]) -> bytes:
+    """GO's body: the port the store's host bound on its Ray node (STORE), which the caller's own
+    rank learns from ``env``; empty where the caller bound it (this machine)."""
+    if port is None:
+        return b""
+    rendezvous.learn_port(env, port)
+    return pickle.dumps(port)
 
 
 def _world_env(layout: placement.Layout, nprocs: int, caller_rank: Optional[int]) -> dict:

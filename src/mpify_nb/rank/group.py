@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 from typing import Optional
 
 from ..torchdist import compat, groups, rendezvous, waits
-from . import checks
+from ..wire.protocol import STORE
+from . import checks, control
 
 #: Seconds a rank waits in the rendezvous for its peers (a peer that died meanwhile).
 _RENDEZVOUS_TIMEOUT = 60.0
@@ -47,14 +49,19 @@ def init_group(where: tuple[str, int, bool], listen_fd: Optional[int]) -> None:
     """Join a new default process group at ``where`` (address, port, whether this rank hosts
     the store), the Session's store; without ddp, only learn where that store is. On one
     machine the store's rank got its socket from the caller (listening with ddp; without, bound
-    only: it listens at a cell's first ``init_process_group``); on a Ray node it binds one on its
-    node's address. A cell's own ``init_process_group`` meets the others there too (its keys
-    apart: torchdist/rendezvous.py), so the store outlives the group a cell destroys."""
+    only: it listens at a cell's first ``init_process_group``); on a Ray node (port 0) it binds
+    one on its node's address and tells the caller (STORE), which then tells the others. A
+    cell's own ``init_process_group`` meets the others there too (its keys apart:
+    torchdist/rendezvous.py), so the store outlives the group a cell destroys."""
     import torch.distributed as dist
     from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
     addr, port, hosts_store = where
     rank, world = _group["rank"], _group["world_size"]
+    if hosts_store and listen_fd is None:
+        bound = groups.listen_on(addr, 0, world * 2) if _group["ddp"] else rendezvous.reserve(addr)
+        port, listen_fd = bound.getsockname()[1], bound.detach()
+        control.to_caller(STORE, pickle.dumps(port))
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
     value = rendezvous.spec(addr, port, world, "session")
     if not _group["ddp"]:
@@ -63,8 +70,6 @@ def init_group(where: tuple[str, int, bool], listen_fd: Optional[int]) -> None:
         return
     timeout = datetime.timedelta(seconds=_RENDEZVOUS_TIMEOUT)
     if hosts_store:
-        if listen_fd is None:
-            listen_fd = groups.listen_on(addr, port, world * 2).detach()
         store = TCPStore(addr, port, world, is_master=True, wait_for_workers=False, timeout=timeout,
                          master_listen_fd=listen_fd, **compat.listen_fd_store_options())
     else:

@@ -13,9 +13,10 @@ after it::
       | -- CALL (fn, args, ctx; memfds) ------>|  unpickle; run imports=
       |                                        |  ctx._mpify_rank_setup(); every rendezvous
       |                                        |  to the call's store (torchdist/rendezvous.py)
+      |<------------------------------ STORE --|  (the store's host on a Ray node: the port it bound)
       |<------------------------------ READY --|
       | -- GO (once every rank is READY) ----->|  so no rank enters a rendezvous that a
-      |                                        |  rank which failed to load would never join
+      |    (with that port, to every rank)     |  rank which failed to load would never join
       |                                        |  control thread on the channel (stdin, LOOK, caller death)
       |                                        |  with ctx: value = fn(*args, **kwargs)
       |<------------- RETURNED (its Snapshot) -|  (with a group: before ctx.__exit__ tears it down)
@@ -45,7 +46,7 @@ from typing import Any, NoReturn, Optional
 from ..torchdist import p2p, rendezvous, waits
 from ..wire import framing, payload
 from ..wire.errors import RemoteFailure, safe_str
-from ..wire.protocol import CALL, DONE, FAIL, IMPORTED, NO_REQUEST, READY, RETURNED, pack, unpack
+from ..wire.protocol import CALL, DONE, FAIL, IMPORTED, NO_REQUEST, READY, RETURNED, STORE, pack, unpack
 from . import checks, control, imports_news, process, session
 from .control import RankState
 
@@ -124,7 +125,9 @@ def _one_call(channel: socket.socket, state: RankState, req: int, body: Any, fds
     rank = os.environ.get("RANK", "?")
     # Every init_process_group of the call goes to its store (torchdist/rendezvous.py); every group
     # made is held against a deadlock in torch (torchdist/groups.py: keep_groups).
-    rendezvous.activate(host=os.environ.get(rendezvous.HOST_VARIABLE) == rank, host_socket=store)
+    bound = rendezvous.activate(host=os.environ.get(rendezvous.HOST_VARIABLE) == rank, host_socket=store)
+    if bound is not None:  # we host the store on a Ray node: the caller tells the others at GO
+        control.send(channel, pack(STORE, req, pickle.dumps(bound)))
     imports_news.watch(lambda news: control.to_caller(IMPORTED, news))  # the template imports them too, meanwhile
     try:
         fn, args, kwargs, ctx, needed, imports = payload.unpack_call(body, fds, windows=windows)
@@ -145,8 +148,12 @@ def _one_call(channel: socket.socket, state: RankState, req: int, body: Any, fds
     # or once the function imports torch.distributed (before its first group)
     rendezvous.when_imported(lambda: (p2p.install(), checks.starting()))
     control.send(channel, pack(READY, req))
-    if framing.recv(channel) is None:  # no GO: the caller gave up (another rank failed to load)
+    go = framing.recv(channel)
+    if go is None:  # no GO: the caller gave up (another rank failed to load)
         process.end(0)
+    told = unpack(go[0])[2]
+    if len(told):  # the port the store's host bound on its Ray node
+        rendezvous.learn_port(os.environ, pickle.loads(told))
     control.install_stdin(channel, state)
     control.start(channel, state)  # from now on the channel is the control thread's
     try:

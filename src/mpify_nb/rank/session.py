@@ -22,7 +22,8 @@ socketpair. It then never exits on its own::
 
 The main thread starts the process group (a TCPStore whose listening socket the caller
 made and passed to the store's rank; under Ray, where the caller is on another node, the
-store's rank binds it on its own node's address) and reports READY only once the group is
+store's rank binds it on its own node's address and says which port, STORE, for the caller
+to tell the others) and reports READY only once the group is
 up, so the caller's first request can never be lost. SIGINT raises KeyboardInterrupt only inside the
 user's code: an interrupt that lands between requests is ignored, and the rank, with its
 state, lives on. The loop that reads the requests is every rank's (rank.loop.serve); the control

@@ -33,6 +33,7 @@ from ..wire.protocol import (
     GROUP,
     NO_REQUEST,
     READY,
+    STORE,
 )
 
 #: Pipe capacity for a rank's stdout/stderr: output printed between calls waits there.
@@ -86,8 +87,9 @@ class SessionRanks:
         # Output is relayed on the call's thread, into the cell running now.
         self._engine = core.Engine(OutputRelay(sys.stdout, sys.stderr), pump_output=True, persistent=True)
         self._members: dict[int, Member] = self._engine.members
-        for kind, handler in ((READY, self._on_ready), (DISPLAY, self._on_display), (DONE, self._on_done),
-                              (FAIL, self._on_fail), (ABORTED, self._on_aborted), (COMM_OUT, self._on_comm)):
+        for kind, handler in ((READY, self._on_ready), (STORE, self._on_store), (DISPLAY, self._on_display),
+                              (DONE, self._on_done), (FAIL, self._on_fail), (ABORTED, self._on_aborted),
+                              (COMM_OUT, self._on_comm)):
             self._engine.on(kind, handler)
         self._engine.on_death = self._on_death
         # widgets: ranks' comms twinned in the kernel; a frontend's message to one is a call on its
@@ -96,6 +98,7 @@ class SessionRanks:
         self._placer: Optional[placement.Placer] = None
         self._layout = placement.Layout.on_this_machine(n, reserve_store=False)
         self._base_env: dict[str, str] = {}
+        self._store_port = 0  # the port the store's host bound on its Ray node (STORE), while ranks start
 
     # -- starting ranks ----------------------------------------------------------------
 
@@ -121,38 +124,46 @@ class SessionRanks:
         # The store lives in the host rank, on its node's address (127.0.0.1 on this machine); a
         # cell's own init_process_group meets the others there too (torchdist/rendezvous.py).
         listener: Optional[socket.socket] = None
+        port = 0  # on a Ray node the host binds one itself and says which (STORE): then the others are told
         if self._local:  # bound here, handed to the host: no one can take the port meanwhile
             address = self._layout.nodes[host]
             # With ddp it listens now, for the group; without, at a cell's first init_process_group.
             bound: socket.socket = (listen_on(address, 0, self.world_size * 2) if self.ddp
                                     else rendezvous.reserve(address))
             listener, port = bound, bound.getsockname()[1]
-        else:  # on a Ray node the host binds it itself
-            port = placer.store_port()
+        old = {m.rank: m for m in live_old}
         new: list[Member] = []
+        told: list[Member] = []  # the old ranks sent GROUP
+        req = next(self._ids)
+        self._store_port = 0
         try:
             common = {"cwd": os.getcwd(), "sys_path": list(sys.path), "argv": list(sys.argv)}
-            for r in ranks:
-                m = self._spawn(placer, r)  # the host first: its node is known once it is placed (again)
+            # The host first: its node is known once it is placed (again), and on Ray its port.
+            for r in [host] + [r for r in ranks + list(old) if r != host]:
+                if port == 0 and r != host:
+                    port = self._port_from_host(new[0] if host in ranks else old[host])
+                    if port == 0:
+                        break  # the host failed first: the wait below says how
+                store = [listener.fileno()] if listener is not None and r == host else []
+                if r in old:  # the new group (with ddp) and, either way, where the store is now
+                    body = pickle.dumps((self._layout.nodes[host], port, r == host))
+                    self._send_request(old[r], GROUP, req, body, store, None)
+                    old[r].group = None
+                    told.append(old[r])
+                    continue
+                m = self._spawn(placer, r)
                 new.append(m)
                 address = self._layout.nodes[host]
                 env = dict(self._base_env, MASTER_ADDR=address, MASTER_PORT=str(port), **self._layout.env_of(r))
                 setup = dict(common, rank=r, env=env,
                              session=self._session_config(r, (address, port, r == host)))
                 assert m.control_theirs is not None
-                fds = [m.control_theirs.fileno()] + ([listener.fileno()] if listener and r == host else [])
                 try:
-                    framing.send(m.channel, pickle.dumps(setup), fds)
+                    framing.send(m.channel, pickle.dumps(setup), [m.control_theirs.fileno()] + store)
                 except OSError:
                     pass  # died at birth; the wait below says how
                 m.control_theirs.close()
                 m.control_theirs = None
-            req = next(self._ids)
-            for m in live_old:  # the new group (with ddp) and, either way, where the store is now
-                body = pickle.dumps((self._layout.nodes[host], port, m.rank == host))
-                self._send_request(m, GROUP, req, body, [listener.fileno()] if listener and m.rank == host else [],
-                                   None)
-                m.group = None
         except BaseException:
             for m in new:  # a rank that could not be started: a dead member, never a missing one
                 self._bury(m)
@@ -160,7 +171,17 @@ class SessionRanks:
         finally:
             if listener is not None:
                 listener.close()  # the host rank holds it now
-        self._wait_started(new, live_old, req)
+        self._wait_started(new, told, req)
+
+    def _port_from_host(self, m: Member) -> int:
+        """(On Ray) the port the store's host ``m`` bound on its node, once it says (STORE); 0
+        when it failed or died first."""
+        self._engine.relay.retarget(sys.stdout, sys.stderr)
+        while self._store_port == 0:
+            if not m.alive or m.start_failure is not None or (m.answer is not None and m.answer[0] == FAIL):
+                return 0
+            self._engine.pump(None)
+        return self._store_port
 
     def _raise_if_others_dead(self, ranks: list[int]) -> None:
         """With ddp, a group of every rank cannot form while a rank other than ``ranks`` (those
@@ -233,6 +254,9 @@ class SessionRanks:
     def _on_ready(self, m: Member, req: int, body: Any, fds: list) -> None:
         info = pickle.loads(body)
         m.device, m.state = info["device"], "idle"
+
+    def _on_store(self, m: Member, req: int, body: Any, fds: list) -> None:
+        self._store_port = pickle.loads(body)
 
     def _on_display(self, m: Member, req: int, body: Any, fds: list) -> None:
         bundle = pickle.loads(body)

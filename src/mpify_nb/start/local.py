@@ -13,7 +13,7 @@ from typing import Optional
 
 from . import oom, spares, template, template_client
 from .environ import bootstrap_env, own_process_group
-from .placer import Layout, RankProcess, free_port
+from .placer import Layout, RankProcess
 
 
 class _OnThisMachine:
@@ -26,9 +26,6 @@ class _OnThisMachine:
     def reserve(self, nprocs: int, caller_rank: Optional[int], timeout: Optional[float]) -> Layout:
         self._layout = Layout.on_this_machine(nprocs)
         return self._layout
-
-    def store_port(self) -> int:
-        return free_port("127.0.0.1")
 
     def release(self) -> None:
         if self._layout is not None:

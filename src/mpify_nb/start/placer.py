@@ -22,7 +22,7 @@ class Layout:
 
     nodes: dict[int, str]  # rank -> address of its node
     master_addr: str
-    master_port: int
+    master_port: int  # 0 on another host (Ray): the store's host binds one there and says which
     interfaces: dict[int, str] = field(default_factory=dict)  # rank -> NIC holding its node's address
     #: the call's store's port, bound here and not listening (torchdist/rendezvous.py), handed to
     #: the rank that hosts the store; None where that rank binds it (on a Ray node)
@@ -126,11 +126,6 @@ class Placer(Protocol):
     def start(self, rank: int, channel_fd: int, stdout_fd: int, stderr_fd: int,
               timeout: Optional[float] = None) -> RankProcess:
         """Start ``rank``; raise TimeoutError if it cannot be started within ``timeout`` s."""
-        ...
-
-    def store_port(self) -> int:
-        """A port for a new rendezvous store on the layout's master address (a Session that
-        rebuilds its group needs a fresh one each time)."""
         ...
 
     def release(self) -> None:

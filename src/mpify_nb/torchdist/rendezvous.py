@@ -19,7 +19,9 @@ makes every rank, rank 0 too, a client. Here::
     the call ends: the host is killed; nothing listens.
 
 * No port race: the port is the notebook's from the moment it is chosen (bound without
-  ``SO_REUSEADDR``: no one else can bind it) until the host listens on that very socket.
+  ``SO_REUSEADDR``: no one else can bind it) until the host listens on that very socket. On a Ray
+  node, another host, the host binds it itself as it loads the call (:func:`activate`) and says
+  which (STORE, before its READY); the notebook tells every rank with GO (:func:`learn_port`).
 * A call that never makes a group listens on nothing: the store opens at the first rendezvous.
 * A fixed ``MASTER_PORT`` works run after run: nothing binds it; the rendezvous goes to the call's store.
 * ``n`` keeps a second group of the same call (init, destroy, init) off the first one's keys.
@@ -45,6 +47,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import MutableMapping
 from typing import Any, Callable, Optional
 from urllib.parse import parse_qsl, urlparse
 
@@ -71,8 +74,18 @@ _aborted = threading.Event()  # a rendezvous waiting for its store to open is to
 
 
 def spec(address: str, port: int, world: int, token: str) -> str:
-    """The value of :data:`VARIABLE` for a call's store at ``address:port`` (``port`` 0: in-process)."""
+    """The value of :data:`VARIABLE` for a call's store at ``address:port``. ``port`` 0: in-process
+    (a world of one); with more ranks, not known yet: the host binds one on its Ray node
+    (:func:`activate`) and the caller tells the others (:func:`learn_port`)."""
     return f"{address}|{port}|{world}|{token}"
+
+
+def learn_port(env: MutableMapping[str, str], port: int) -> None:
+    """``env`` (a rank's ``os.environ``, the variables of the caller's own rank) names the
+    store at ``port``: the one its host bound on its Ray node."""
+    address, _unknown, world, token = env[VARIABLE].rsplit("|", 3)
+    env[VARIABLE] = spec(address, port, int(world), token)
+    env["MASTER_PORT"] = str(port)
 
 
 def reserve(address: str) -> socket.socket:
@@ -91,19 +104,28 @@ def reserve(address: str) -> socket.socket:
 # -- in a process that plays a rank ------------------------------------------------------------
 
 def activate(scope: Optional[Callable[[], str]] = None, host: bool = False,
-             host_socket: Optional[socket.socket] = None) -> None:
+             host_socket: Optional[socket.socket] = None) -> Optional[int]:
     """This process plays a rank now: its rendezvous go to the call's store (``VARIABLE``).
     ``scope()`` names the unit whose rendezvous are counted together (a Session's request; a
     ranch call is one unit); ``host``: this rank hosts the store, on ``host_socket`` (bound by
-    the caller) or, without one, on the port the call names (a Ray node binds it itself)."""
+    the caller) or, without one (on a Ray node: the caller is on another host), on a port it
+    binds now. Returns that port, for the caller to tell the other ranks; else None."""
     global _active_pid, _scope, _host_socket, _is_host
     install()
     groups.keep_groups()
     _active_pid = os.getpid()
     _scope = scope or (lambda: "")
     _is_host = host
+    bound = None
+    if host and host_socket is None:
+        address, port, world, _token = os.environ[VARIABLE].rsplit("|", 3)
+        if int(port) == 0 and int(world) > 1:
+            host_socket = reserve(address)
+            bound = host_socket.getsockname()[1]
+            learn_port(os.environ, bound)
     if host_socket is not None:
         _host_socket = host_socket
+    return bound
 
 
 def point_at(value: str, host: bool, host_socket: Optional[socket.socket] = None, store: Any = None) -> None:
@@ -221,15 +243,15 @@ def _check(rank: int, world: int, call_world: int) -> None:
 
 
 def _host(address: str, port: int, world: int, timeout: datetime.timedelta) -> Any:
-    """Open the call's store here (at this host's first rendezvous), on the socket the caller
-    bound for it, or on a Ray node on ``address:port`` bound now. Kept until the process ends."""
+    """Open the call's store here (at this host's first rendezvous), on the socket bound for it
+    (by the caller, or on a Ray node by :func:`activate`). Kept until the process ends."""
     global _hosted, _host_socket
     from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
     if _hosted is None:
         sock = _host_socket
         if sock is None:
-            sock = _bind_now(address, port)
+            raise RuntimeError(f"the call's rendezvous store ({address}:{port}) has no socket bound for it here")
         sock.listen(max(world * 2, 8))
         fd = sock.detach()
         _host_socket = None
@@ -237,17 +259,6 @@ def _host(address: str, port: int, world: int, timeout: datetime.timedelta) -> A
                            master_listen_fd=fd, **compat.listen_fd_store_options())
         _open.add((address, port))
     return _hosted
-
-
-def _bind_now(address: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.bind((address, port))
-    except OSError as e:
-        sock.close()
-        raise OSError(e.errno, f"the call's rendezvous store cannot listen on {address}:{port}: {e.strerror}") from None
-    return sock
 
 
 def _wait_open(address: str, port: int, seconds: float) -> None:

@@ -14,7 +14,6 @@ import functools
 import linecache
 import os
 import sys
-import threading
 from typing import Any, Optional
 
 from . import p2p, rendezvous
@@ -273,11 +272,3 @@ def user_line(frame: Any) -> Optional[tuple[str, int]]:
             return filename, frame.f_lineno
         frame = frame.f_back
     return None
-
-
-def native_id_of(thread_id: int) -> Optional[int]:
-    for thread in threading.enumerate():
-        if thread.ident == thread_id:
-            return thread.native_id
-    return None
-

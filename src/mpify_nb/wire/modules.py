@@ -31,8 +31,9 @@ not a preload has finished):
   name (made in the notebook with exec or ``types.ModuleType``): their objects travel by value;
 * ``__main__`` and mpify_nb itself, and what mpify_nb imported in the notebook for its own warm-up
   (``leave_out_ours``: what the first ``DistributedDataParallel`` imports, torchdist/warmup.py);
-* the kernel's own machinery (IPython, ipykernel, zmq, tornado, jupyter_client, debugpy...): the
-  notebook holds them because it is a kernel, not because a call needs them;
+* the kernel's own machinery (IPython, ipykernel, zmq, tornado, jupyter_client, debugpy and the
+  pydevd modules it puts on sys.path...): the notebook holds them because it is a kernel, not
+  because a call needs them;
 * modules known to create a CUDA context or start processes when imported (:data:`LEAVE_OUT`:
   every rank would make a context on GPU 0 before its device is chosen, or start helpers per
   call), and those named with :func:`set_rank_imports` (``leave_out=``) or
@@ -53,13 +54,16 @@ from typing import Any, Optional
 #: Top-level packages that make a process a Jupyter kernel (or a test runner): never a call's business.
 KERNEL = frozenset({
     "IPython", "ipykernel", "ipykernel_launcher", "jupyter_client", "jupyter_core", "zmq", "tornado", "traitlets",
-    "comm", "debugpy", "pydevd", "pydevd_plugins", "_pydevd_bundle", "_pydev_bundle", "_pydevd_frame_eval",
-    "_pydevd_sys_monitoring", "prompt_toolkit", "jedi", "parso", "pygments", "pexpect", "ptyprocess",
+    "comm", "debugpy", "prompt_toolkit", "jedi", "parso", "pygments", "pexpect", "ptyprocess",
     "matplotlib_inline", "nest_asyncio", "stack_data", "executing", "asttokens", "pure_eval", "wcwidth",
     "pickleshare", "backcall", "decorator", "ipywidgets", "widgetsnbextension", "jupyterlab_widgets", "ipympl",
     "nbformat", "nbclient", "jupyter_server", "notebook", "jupyterlab", "google.colab", "colab_kernel_launcher",
     "pytest", "_pytest", "pluggy", "xdist", "psutil", "platformdirs", "mpify_nb",
 })
+
+#: ... and top-level modules named so: the debugger's. debugpy puts its copy of pydevd on sys.path,
+#: some twenty top-level modules (pydevd_file_utils, pydev_ipython, pydevconsole, _pydev_runfiles...).
+KERNEL_PREFIXES = ("pydevd", "_pydevd", "pydev_", "_pydev_", "pydevconsole")
 
 #: Modules known to create a CUDA context or start processes when imported, with why.
 LEAVE_OUT: dict[str, str] = {
@@ -159,7 +163,7 @@ def _wanted(name: str, module: Any, roots: Roots) -> bool:
 def _judge(name: str, module: Any, roots: Roots) -> bool:
     if module is None or name in ("__main__", "__mp_main__") or name.endswith(".__main__"):
         return False
-    if inside(name, KERNEL) or inside(name, LEAVE_OUT):
+    if inside(name, KERNEL) or name.startswith(KERNEL_PREFIXES) or inside(name, LEAVE_OUT):
         return False
     spec = getattr(module, "__spec__", None)
     file = getattr(module, "__file__", None)

@@ -16,7 +16,7 @@ from typing import Any
 
 # -- to a rank, on its channel (the rank's main thread: one request at a time) ---------------
 CALL = b"c"  # a ranch call (fn, args, ctx; memfds): load it, READY, wait for GO, run, answer, exit
-GO = b"G"  # every rank of a ranch call has loaded it: run it
+GO = b"G"  # every rank of a ranch call has loaded it: run it (its body: the store's port, when a STORE told it)
 RUN, APPLY, PUSH, PULL, MISSING, GROUP = b"r", b"a", b"p", b"l", b"m", b"g"  # a Session's requests
 CHECKS = b"K"  # a Session's request: the collective check on or off from now on (set_collective_checks)
 # -- to a rank's control thread (a Session's control channel; a ranch rank's channel once it runs)
@@ -26,6 +26,7 @@ PEEK_STDIN = b"k"  # its stdout holds a partial line (a prompt?): is a thread re
 PEEK = b"v"  # a Session rank's variable, read now while a call runs (a live pull); PEEKED answers
 # -- from a rank ----------------------------------------------------------------------------------
 READY = b"R"  # started (a Session's rank: its group is up) or loaded (a ranch call)
+STORE = b"S"  # the rendezvous store's host on a Ray node bound this port (pickled): the caller tells the others
 DONE, FAIL = b"D", b"F"  # the answer to a request: its value; (RemoteFailure, interrupted, meta)
 DISPLAY = b"P"  # display(obj) on a Session's rank: a mime bundle
 ASK = b"Q"  # the rank reads its stdin (rank/stdin.py): a token; the caller sends ANSWER (token, answer)

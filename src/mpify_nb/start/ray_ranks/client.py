@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from .handle import KILL_GRACE, Host
 from .link import accept_links, shut
-from .worker import HUB_ENV
+from .worker import WORKER_ENV
 
 
 class _Hub:
@@ -108,9 +108,9 @@ def _the_hub(ray: Any) -> tuple[Any, tuple[str, int]]:
     connection = ray.get_runtime_context().get_job_id()
     with _hub_lock:
         if _hub is None or _hub[0] != connection:
-            # Its own runtime env gives it its own worker: with the ranks' it would take a pooled
-            # worker that has torch imported, which would be lost to the ranks.
-            handle = ray.remote(_Hub).options(num_cpus=0, max_concurrency=64, runtime_env=HUB_ENV,
+            # Never one of the pooled workers that keep torch imported for the ranks (lost when the
+            # hub ends): Ray gives an actor no worker that ran a task (ray-project/ray#22482, Ray 2.0).
+            handle = ray.remote(_Hub).options(num_cpus=0, max_concurrency=64, runtime_env=WORKER_ENV,
                                               name=f"mpify_nb-hub-{os.getpid()}-{secrets.token_hex(3)}").remote()
             _hub = (connection, handle, tuple(ray.get(handle.address.remote())))
         return _hub[1], _hub[2]

@@ -109,7 +109,6 @@ class RayPlacer:
         self._bundle_of: dict[int, int] = {}  # rank -> bundle index
         self._node_id_of: dict[int, str] = {}  # rank -> Ray node id
         self._layout: Optional[placement.Layout] = None
-        self._here = ""  # the caller's node address
         self.token = secrets.token_bytes(32)
         self._listener: Optional[socket.socket] = None
         self._tunnel: Optional[Tunnel] = None  # under Ray Client, instead of the listener
@@ -137,7 +136,6 @@ class RayPlacer:
                 "notebook on a node of the cluster")
         others = [r for r in range(nprocs) if r != caller_rank]
         here: str = ray.util.get_node_ip_address()
-        self._here = here
         nodes: dict[int, str] = {} if caller_rank is None else {caller_rank: here}
         if others:
             bundle = self.options.bundle()
@@ -166,10 +164,12 @@ class RayPlacer:
                 nodes[r] = landed[b]
         store_rank = others[0] if others else 0
         master = nodes.get(store_rank) or here
-        port = _store_port(here)
         interface = interface_of(here)
         interfaces = {caller_rank: interface} if caller_rank is not None and interface else {}
-        self._layout = placement.Layout(nodes, master, port, interfaces)
+        # Port 0: the store's host binds one on its node and says which (a port chosen here, for
+        # another host, could be taken there before the host binds it); the others learn it from
+        # the caller: ranch's GO, a Session's start (torchdist/rendezvous.py).
+        self._layout = placement.Layout(nodes, master, 0, interfaces)
         if others:
             if self.options.client:
                 self._tunnel = Tunnel(self)
@@ -180,9 +180,6 @@ class RayPlacer:
 
     def _node_addresses(self) -> dict[str, str]:
         return {n["NodeID"]: n["NodeManagerAddress"] for n in self.ray.nodes()}
-
-    def store_port(self) -> int:
-        return _store_port(self._here)
 
     def _find_again(self, rank: int) -> None:
         """A rank started a second time (a Session's restart): its bundle may have moved, when
@@ -355,40 +352,6 @@ def _remote_serve_rank() -> Any:
     if _serve_rank_remote is None:
         _serve_rank_remote = import_ray().remote(serve_rank)
     return _serve_rank_remote
-
-
-def _store_port(here: str) -> int:
-    """MASTER_PORT for a store on another host, chosen without asking that host (a round trip
-    to a worker per call, which Ray may have to start). A port below the kernel's ephemeral
-    range is never handed out for outgoing connections, so only a service listening there
-    can hold it; free here too. If the store's host has one, its rank fails at once with
-    "address already in use", which names the port. Ray's own default ranges end below
-    ``_STORE_PORT_LOW`` (workers 10002-19999, Ray Client's per-driver servers 23000-23999)."""
-    low = _ephemeral_low()
-    for _ in range(100):
-        port = secrets.randbelow(low - _STORE_PORT_LOW) + _STORE_PORT_LOW
-        try:
-            with socket.socket(socket.AF_INET6 if ":" in here else socket.AF_INET) as s:
-                s.bind((here, port))
-            return port
-        except OSError:
-            continue
-    return placement.free_port(here)
-
-
-_STORE_PORT_LOW = 24000
-
-
-def _ephemeral_low() -> int:
-    """The lowest port the kernel hands out for outgoing connections."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low = int(f.read().split()[0])
-        if low > _STORE_PORT_LOW + 100:
-            return low
-    except (OSError, ValueError, IndexError):
-        pass
-    return 32768
 
 
 #: What the last call's removed placement group gives back: (when, resources free before it).

@@ -18,7 +18,6 @@ from .link import deliver, frames, identity, interface_of, no_delay, send_frame,
 
 #: Our package imported in a Ray worker must not start a template of its own.
 WORKER_ENV = {"env_vars": {"MPIFY_NB_CHILD": "1", "MPIFY_NB_PREWARM": "0"}}
-HUB_ENV = {"env_vars": {"MPIFY_NB_CHILD": "1", "MPIFY_NB_PREWARM": "0", "MPIFY_NB_RAY_HUB": "1"}}
 
 
 def serve_rank(caller: str, port: int, token: bytes, rank: int, setup: bytes, call: bytes, objects: list,
