@@ -132,8 +132,8 @@ def floor_requirements() -> list[str]:
 def floor(session: nox.Session) -> None:
     """The version-sensitive tests (FLOOR_TESTS; or the tests named after ``--``) on the floor,
     FLOOR_TORCH, as the package index builds it: a CUDA build (~3 GB of wheels) that runs on CPU.
-    One install, torch pinned so nothing may upgrade it. .ci/run installs while the main suite runs
-    (``--install-only``: 93 s on 2 cores, 5.2 GB) and then runs the tests alone (``-R``: ~5 min)."""
+    One install, torch pinned so nothing may upgrade it. .ci/run runs it whole beside the main suite
+    (``--install-only``, 5.2 GB, then ``-R`` on one worker): its tests mostly wait."""
     session.install(NO_COMPILE, FLOOR_TORCH, "-e", ".", *floor_requirements())
     session.run("python", "-c", f"import torch; assert torch.__version__.split('+')[0] == "
                 f"{FLOOR_TORCH.split('==')[1]!r}, torch.__version__; print('torch', torch.__version__)")
