@@ -39,14 +39,16 @@ FLOOR_TESTS = [
 FLOOR_PACKAGES = ["pytest", "pytest-timeout", "pytest-xdist", "ipykernel", "nbclient", "nbformat", "matplotlib", "tqdm",
                   "ipywidgets"]
 nox.options.sessions = ["tests", "lint", "typecheck", "package", "docs", "floor"]
-#: pip compiles every module it installs to bytecode by default: half of an install's CPU time here
-#: (torch alone is thousands of files, most never imported); Python compiles what is imported, once.
+#: For the venvs whose packages are read (pyright), built or imported by a process or two: pip compiles every
+#: module it installs to bytecode by default, half of such an install's CPU time (torch alone is thousands
+#: of files). Not for the venvs tests run in: where PYTHONDONTWRITEBYTECODE is set (this machine), every
+#: process would compile every module it imports, each time (the suite's CPU time doubled).
 NO_COMPILE = "--no-compile"
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    session.install(NO_COMPILE, TORCH, "-e", ".[test]")
+    session.install(TORCH, "-e", ".[test]")
     # fastai pulls PyPI's torchvision, which fails to import beside the CPU torch wheel and then breaks
     # `import lightning` (torchmetrics imports it when installed): remove it then (see .ci/run).
     session.run("sh", "-c", 'python -c "import torchvision" 2>/dev/null || python -m pip uninstall -q -y torchvision',
@@ -132,9 +134,9 @@ def floor_requirements() -> list[str]:
 def floor(session: nox.Session) -> None:
     """The version-sensitive tests (FLOOR_TESTS; or the tests named after ``--``) on the floor,
     FLOOR_TORCH, as the package index builds it: a CUDA build (~3 GB of wheels) that runs on CPU.
-    One install, torch pinned so nothing may upgrade it. .ci/run runs it whole beside the main suite
-    (``--install-only``, 5.2 GB, then ``-R`` on one worker): its tests mostly wait."""
-    session.install(NO_COMPILE, FLOOR_TORCH, "-e", ".", *floor_requirements())
+    One install, torch pinned so nothing may upgrade it. .ci/run makes its venv beside the main install
+    and the suite (``--install-only``, 5.2 GB), and runs its tests (``-R``) beside the other sessions."""
+    session.install(FLOOR_TORCH, "-e", ".", *floor_requirements())
     session.run("python", "-c", f"import torch; assert torch.__version__.split('+')[0] == "
                 f"{FLOOR_TORCH.split('==')[1]!r}, torch.__version__; print('torch', torch.__version__)")
     session.run("python", "-m", "pytest", *(session.posargs or FLOOR_TESTS))
@@ -142,5 +144,5 @@ def floor(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    session.install(NO_COMPILE, TORCH, "-e", ".[test]")
+    session.install(TORCH, "-e", ".[test]")
     session.run("python", "benchmarks/run_all.py", *session.posargs)
