@@ -1,7 +1,7 @@
-"""How pytest-xdist's two workers share the suite (tests/README.md: CI's time budget).
+"""How pytest-xdist's workers share the suite (tests/README.md: CI's time budget).
 
 xdist's ``--dist loadfile`` gives each worker whole modules, in the order of their test count. Two
-things made the run end with one worker busy and the other idle: the longest module
+things made the run end with one worker busy and the others idle: the longest module
 (test_docs.py, a kernel per page) was one unit, and a long module that came late in the queue ran
 alone at the end. Here:
 
