@@ -1,6 +1,6 @@
 """nox sessions: tests, lint, typecheck, package, docs, floor, bench.
 
-torch is installed first, pinned to the CPU wheel this project is tested with
+torch is pinned in each install (one pip call) to the CPU wheel this project is tested with
 (an unpinned torch would pull a multi-GB CUDA build); the package itself only
 asks for a range, so users bring their own torch. ``floor`` runs the
 version-sensitive tests on the oldest torch of that range.
@@ -39,12 +39,16 @@ FLOOR_TESTS = [
 FLOOR_PACKAGES = ["pytest", "pytest-timeout", "pytest-xdist", "ipykernel", "nbclient", "nbformat", "matplotlib", "tqdm",
                   "ipywidgets"]
 nox.options.sessions = ["tests", "lint", "typecheck", "package", "docs", "floor"]
+#: For the venvs whose packages are read (pyright), built or imported by a process or two: pip compiles every
+#: module it installs to bytecode by default, half of such an install's CPU time (torch alone is thousands
+#: of files). Not for the venvs tests run in: where PYTHONDONTWRITEBYTECODE is set (this machine), every
+#: process would compile every module it imports, each time (the suite's CPU time doubled).
+NO_COMPILE = "--no-compile"
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    session.install(TORCH)
-    session.install("-e", ".[test]")
+    session.install(TORCH, "-e", ".[test]")
     # fastai pulls PyPI's torchvision, which fails to import beside the CPU torch wheel and then breaks
     # `import lightning` (torchmetrics imports it when installed): remove it then (see .ci/run).
     session.run("sh", "-c", 'python -c "import torchvision" 2>/dev/null || python -m pip uninstall -q -y torchvision',
@@ -54,32 +58,31 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    session.install("ruff==0.17.6")  # pinned: a new ruff brings new rules
+    session.install(NO_COMPILE, "ruff==0.17.6")  # pinned: a new ruff brings new rules
     session.run("ruff", "check", "src", "tests", "benchmarks", "examples", "noxfile.py", "mkdocs_hooks.py")
 
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """pyright over src/ with the settings in pyproject.toml ([tool.pyright])."""
-    session.install(TORCH)
     # matplotlib: optional at run time (a Session rank shows figures with it), checked here all the same;
     # ipykernel (and its pyzmq): the frontend a rank's stdin asks through (prompts.py), when there is one;
     # ipywidgets (the widgets extra): the tabs view (magics/views.py) and ranks' widgets.
-    session.install("-e", ".[ray,widgets]", "pyright==1.1.414", "matplotlib", "ipykernel")
+    session.install(NO_COMPILE, TORCH, "-e", ".[ray,widgets]", "pyright==1.1.414", "matplotlib", "ipykernel")
     session.run("pyright", *session.posargs)
 
 
 @nox.session
 def package(session: nox.Session) -> None:
     """Build the sdist and wheel, check them, install the wheel (not the tree) and run the demo."""
-    session.install("build", "twine")
+    session.install(NO_COMPILE, "build", "twine")
     tmp = os.path.abspath(session.create_tmp())
     # A fresh venv of its own, holding torch only: the wheel alone must carry what else the demo needs.
     # Made in the install step (``--install-only``: .ci/run makes it while the suite runs).
     venv = os.path.join(tmp, "wheel-venv")
     python = os.path.join(venv, "bin", "python")
     session.run_install("python", "-m", "venv", "--clear", venv)
-    session.run_install(python, "-m", "pip", "install", "-q", TORCH, external=True)
+    session.run_install(python, "-m", "pip", "install", "-q", NO_COMPILE, TORCH, external=True)
     dist = os.path.join(tmp, "dist")
     shutil.rmtree(dist, ignore_errors=True)  # a wheel of an earlier run would be picked up
     if session.run("python", "-m", "build", "--outdir", dist) is None:
@@ -105,8 +108,7 @@ def docs(session: nox.Session) -> None:
     missing snippet or an example notebook that fails (the build runs them, mkdocs_hooks.py) fails it.
     Then tests/site_links.py crawls site/: every internal link and anchor of every page, the notebook
     pages included, must resolve. Every code block of the pages themselves is run by tests/test_docs.py."""
-    session.install(TORCH)
-    session.install("-e", ".[docs]")
+    session.install(NO_COMPILE, TORCH, "-e", ".[docs]")
     session.env["NO_MKDOCS_2_WARNING"] = "1"  # Material's banner about its successor, on every build
     session.run("mkdocs", "build", "--strict", *session.posargs)
     # --strict checks the Markdown pages' links, not the notebook pages' (mkdocs-jupyter renders them
@@ -132,8 +134,8 @@ def floor_requirements() -> list[str]:
 def floor(session: nox.Session) -> None:
     """The version-sensitive tests (FLOOR_TESTS; or the tests named after ``--``) on the floor,
     FLOOR_TORCH, as the package index builds it: a CUDA build (~3 GB of wheels) that runs on CPU.
-    One install, torch pinned so nothing may upgrade it. .ci/run installs while the main suite runs
-    (``--install-only``: 93 s on 2 cores, 5.2 GB) and then runs the tests alone (``-R``: ~5 min)."""
+    One install, torch pinned so nothing may upgrade it. .ci/run makes its venv beside the main install
+    and the suite (``--install-only``, 5.2 GB), and runs its tests (``-R``) beside the other sessions."""
     session.install(FLOOR_TORCH, "-e", ".", *floor_requirements())
     session.run("python", "-c", f"import torch; assert torch.__version__.split('+')[0] == "
                 f"{FLOOR_TORCH.split('==')[1]!r}, torch.__version__; print('torch', torch.__version__)")
@@ -142,6 +144,5 @@ def floor(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    session.install(TORCH)
-    session.install("-e", ".[test]")
+    session.install(TORCH, "-e", ".[test]")
     session.run("python", "benchmarks/run_all.py", *session.posargs)

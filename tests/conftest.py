@@ -121,3 +121,14 @@ def pytest_configure(config: pytest.Config) -> None:
     from mpify_nb.wire import modules
 
     modules.set_rank_imports(False)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadfile`` (pyproject.toml's addopts), with the longest units first and test_docs.py cut
+    per page: tests/scheduling.py."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from scheduling import LongestFirst
+
+    return LongestFirst(config, log)

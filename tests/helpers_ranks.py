@@ -522,6 +522,19 @@ def fork_printers_while_rank_1_prints(seconds: float) -> int:
     return hung
 
 
+#: The caller's captured output, for partial_line_then_wait's rank 0 (set by the test, read in the caller).
+watched: Optional[Any] = None
+
+
+def watched_text() -> str:
+    """What the caller captured so far (:data:`watched`). Passed to the ranks instead of the capture's own
+    method: the capture is ``sys.stdout`` during the call, and whether a rank got a copy of it or its own
+    ``sys.stdout`` depended on when this process first indexed the ``sys`` module's globals (wire/ship.py:
+    an object a module holds travels by name), i.e. on the modules that ran before in this process."""
+    assert watched is not None, "set helpers_ranks.watched first"
+    return watched.getvalue()
+
+
 def partial_line_then_wait(flag: str, seen_in) -> str:
     """Rank 1 prints a partial line and waits (up to 30 s) for ``flag`` to exist; rank 0
     watches ``seen_in()`` (the caller's captured output) for that line and creates ``flag``.

@@ -303,6 +303,25 @@ def ready(driver: Any, run: str, cells: list[str]) -> Any:
 
 # -- a reference run under torchrun -------------------------------------------------------------
 
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (children first), whatever session or group they are in."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+            parents.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
 def torchrun_results(script, *args: str, timeout: float = 120) -> list[dict]:
     """Run ``torchrun --nproc-per-node 2 script args...`` (a free port, torchrun's own thread rule)
     and return each rank's ``RESULT {...}`` line (a flat JSON object with a "rank"), by rank."""
@@ -323,7 +342,13 @@ def torchrun_results(script, *args: str, timeout: float = 120) -> list[dict]:
         out, err = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: our own session
+            # torchrun starts each worker in a session of its own: killing torchrun's group alone left
+            # them running for the rest of the suite (seen after a timeout under load).
+            for pid in [*_descendants(proc.pid), proc.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             proc.wait()
     # The two workers share one stdout: their lines may run into each other.
     results = [json.loads(m) for m in re.findall(r"RESULT (\{[^{}]*\})", out)]

@@ -54,8 +54,9 @@ def test_partial_line_is_shown_before_its_end(tmp_path, monkeypatch):
     # Rank 1 waits for the caller to have shown its partial line: before partial lines were
     # shown, it waited its full 30 s and the caller never saw the line in time.
     captured = io.StringIO()
+    monkeypatch.setattr(hr, "watched", captured)
     monkeypatch.setattr(sys, "stdout", captured)
-    results = mpify_nb.ranch(2, hr.partial_line_then_wait, str(tmp_path / "flag"), captured.getvalue)
+    results = mpify_nb.ranch(2, hr.partial_line_then_wait, str(tmp_path / "flag"), hr.watched_text)
     monkeypatch.undo()
     assert results == ["watched", "seen"]
     # Its end came on the same line: nobody else wrote meanwhile.
