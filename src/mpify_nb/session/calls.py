@@ -171,7 +171,7 @@ class SessionCalls(SessionRecovery):
                 if dead and self.closed:
                     raise SessionClosedError("the Session was closed while this call ran")
                 if dead:
-                    self._stop(members, req)
+                    self._stop(members, req, peer_died=True)
                     raise merge_rank_errors([m.exit_error or RankExitedError(m.rank, None) for m in dead])
                 still = sum(m.req == req for m in members)
                 if not still:

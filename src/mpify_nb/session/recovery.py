@@ -23,6 +23,7 @@ from .ranks import Member, SessionRanks, failure_of
 
 #: After an interrupt, how long ranks still running get before their group is destroyed
 #: under them (unsticks a gloo collective), and before we stop waiting for them at all.
+#: (A rank of the call died: no grace, see _stop's ``peer_died``.)
 _ABORT_AFTER = 0.15
 _ABORT_ANYWAY = 0.5
 _STOP_PATIENCE = 5.0
@@ -87,9 +88,13 @@ class SessionRecovery(SessionRanks):
         except Exception:
             return ""
 
-    def _stop(self, members: list[Member], req: int) -> None:
+    def _stop(self, members: list[Member], req: int, peer_died: bool = False) -> None:
         """Interrupt every rank still running ``req``; unstick collectives; rebuild the group
-        when it was torn down. Bounded in time; a second Ctrl-C does not cut it short."""
+        when it was torn down. Bounded in time; a second Ctrl-C does not cut it short.
+        ``peer_died``: a rank of the call is dead, so the group is broken whatever the others do
+        and a rank waiting for it in C++ (a rendezvous, a collective) never sees the SIGINT: the
+        group is cut at once, not after the grace an interrupt gets (_ABORT_ANYWAY was 0.5 s of
+        every such cell's end)."""
         if self._engine.user_waits.prompter is None:  # a read that comes now is answered end of file at once
             self._engine.user_waits.open_prompts()
         self._engine.user_waits.close_prompts()  # a rank at a prompt reads KeyboardInterrupt, then end of file
@@ -110,7 +115,8 @@ class SessionRecovery(SessionRanks):
                 # Blocked in a collective (seen on its stack), or in C++ that ignores SIGINT for
                 # longer (a DDP backward waiting on its all_reduce): cut the group under it.
                 if not aborted and (
-                        (now - start > _ABORT_AFTER and any(self._waits_in_dist(m) for m in running))
+                        peer_died
+                        or (now - start > _ABORT_AFTER and any(self._waits_in_dist(m) for m in running))
                         or now - start > _ABORT_ANYWAY):
                     self._abort_group()
                     aborted = True
