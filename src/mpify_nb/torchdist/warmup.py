@@ -177,11 +177,10 @@ def _first_step() -> None:
     import torch
 
     layers = [torch.nn.utils.skip_init(torch.nn.Linear, 4, k) for k in (4, 1)]  # no init: no random draw
-    with torch.no_grad():
-        for layer in layers:
-            layer.weight.fill_(0.5)
-            layer.bias.zero_()
     model = torch.nn.Sequential(layers[0], torch.nn.ReLU(), layers[1])
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.fill_(0.5)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loss = torch.nn.functional.mse_loss(model(torch.ones(2, 4)), torch.zeros(2, 1))
     optimizer.zero_grad()
