@@ -59,7 +59,7 @@ def init_group(where: tuple[str, int, bool], listen_fd: Optional[int]) -> None:
     addr, port, hosts_store = where
     rank, world = _group["rank"], _group["world_size"]
     if hosts_store and listen_fd is None:
-        bound = groups.listen_on(addr, 0, world * 2) if _group["ddp"] else rendezvous.reserve(addr)
+        bound = rendezvous.bind_session_store(addr, world, _group["ddp"])
         port, listen_fd = bound.getsockname()[1], bound.detach()
         control.to_caller(STORE, pickle.dumps(port))
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)

@@ -20,7 +20,6 @@ from ..engine import comms, core, interrupts, members
 from ..relay.pipes import OutputRelay
 from ..start import placement
 from ..torchdist import rendezvous
-from ..torchdist.groups import listen_on
 from ..wire import framing, payload
 from ..wire.errors import RankError, RankExitedError, RemoteFailure, merge_rank_errors
 from ..wire.protocol import (
@@ -127,9 +126,7 @@ class SessionRanks:
         port = 0  # on a Ray node the host binds one itself and says which (STORE): then the others are told
         if self._local:  # bound here, handed to the host: no one can take the port meanwhile
             address = self._layout.nodes[host]
-            # With ddp it listens now, for the group; without, at a cell's first init_process_group.
-            bound: socket.socket = (listen_on(address, 0, self.world_size * 2) if self.ddp
-                                    else rendezvous.reserve(address))
+            bound = rendezvous.bind_session_store(address, self.world_size, self.ddp)
             listener, port = bound, bound.getsockname()[1]
         old = {m.rank: m for m in live_old}
         new: list[Member] = []

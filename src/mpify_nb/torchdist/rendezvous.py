@@ -101,6 +101,12 @@ def reserve(address: str) -> socket.socket:
     return sock
 
 
+def bind_session_store(address: str, world: int, ddp: bool) -> socket.socket:
+    """The socket of a Session's store on ``address``, on a free port: listening with ``ddp`` (the
+    group meets there at once); without, bound only (it listens at a cell's first rendezvous)."""
+    return groups.listen_on(address, 0, world * 2) if ddp else reserve(address)
+
+
 # -- in a process that plays a rank ------------------------------------------------------------
 
 def activate(scope: Optional[Callable[[], str]] = None, host: bool = False,
