@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import sys
 import threading
 import time
 from pathlib import Path
@@ -465,3 +466,54 @@ def test_kernel_persistent_cells_mismatch_keeps_every_ranks_state(kernel):
             ["[rank 0] 3.0\n[rank 1] 3.0"]
     finally:
         kernel.ok("%dist_shutdown")
+
+
+BOUND_EARLY = """
+import torch
+from torch.distributed import all_reduce
+from torch.distributed.distributed_c10d import init_process_group as make_group
+
+def total(dtype):
+    x = torch.ones(1, dtype=dtype)
+    all_reduce(x)
+    return x.item()
+"""
+
+
+def _through_a_module_bound_early(mismatch: bool):
+    import torch
+    import torch.distributed as dist
+
+    import bound_early
+
+    bound_early.make_group("gloo")
+    try:
+        dtype = torch.float64 if mismatch and dist.get_rank() == 1 else torch.float32
+        return bound_early.total(dtype)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_names_an_earlier_import_bound_to_torchs_own_are_checked_on_every_rank(tmp_path, monkeypatch):
+    """A module the caller imported before the call took ``all_reduce`` (and ``init_process_group``)
+    by name from torch, as DTensor's ``_collective_utils`` takes ``scatter``; a rank importing it
+    during the call got ours. The caller went straight into gloo while rank 1 waited in the check
+    for its call: the tensor-parallel cell's hang (it waited 120 s, in scatter). Now every name
+    bound to torch's own is ours during a call, in every process, and torch's again after."""
+    (tmp_path / "bound_early.py").write_text(BOUND_EARLY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    import torch.distributed as dist
+
+    import bound_early
+
+    try:
+        assert ranch(2, _through_a_module_bound_early, False, timeout=60) == [2.0, 2.0]
+        with pytest.raises(CollectiveError) as info:
+            ranch(2, _through_a_module_bound_early, True, timeout=60)
+        assert "float32[1]" in str(info.value) and "float64[1]" in str(info.value)
+        assert bound_early.all_reduce is dist.distributed_c10d.all_reduce  # torch's own between calls
+        assert bound_early.make_group is dist.distributed_c10d.init_process_group
+        assert not bound_early.all_reduce.__code__.co_filename.endswith(os.path.join("checks", "wrappers.py"))
+    finally:
+        del sys.modules["bound_early"]

@@ -132,16 +132,19 @@ class Watch:
 
     def look_now(self, pump: Callable[[float], None], stack: bool = False, within: float = 0.5) -> dict[int, Snapshot]:
         """A round now, waited for (at most ``within`` seconds): the ranks' snapshots. For the
-        use's own loop (timeouts, the stop button): it pumps the engine with ``pump``."""
+        use's own loop (timeouts, the stop button): it pumps the engine with ``pump``. Without
+        stacks, a rank that did not answer in time (a busy loop on a loaded machine) is where the
+        round before saw it, rather than nowhere."""
         now = time.monotonic()
         if self.asked:
             self._finish_round(now)
         self._start_round(now, stack=stack)
+        earlier = {r: snap for r, snap in self.previous.items() if r in self.asked} if not stack else {}
         deadline = now + within
         while self.asked and time.monotonic() < deadline:
             pump(max(0.0, min(0.05, deadline - time.monotonic())))
         self._finish_round(time.monotonic())
-        return dict(self.snaps)
+        return {**earlier, **self.snaps}
 
     def look_for(self, stack: bool = True, within: float = 1.5) -> dict[int, Snapshot]:
         """From a thread other than the loop's (``BackgroundWork.where()``): a round of looks at the

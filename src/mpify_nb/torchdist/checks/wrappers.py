@@ -10,7 +10,8 @@
                     made while every member is there (groups.set_up)
 
 Both names torch resolves are replaced (``torch.distributed.x`` and ``distributed_c10d.x``,
-which torch's own helpers call: ``all_gather_object``'s two ``all_gather``s are checked).
+which torch's own helpers call: ``all_gather_object``'s two ``all_gather``s are checked), and
+every module-level name an earlier import bound to torch's own (:func:`_rebind_imported`).
 :func:`install` runs where nothing of the user's has run yet (the template before it forks a
 rank; a spawned rank at its start); in the notebook, around each call that plays a rank (rank/
 checks.py). Checks are on unless ``MPIFY_NB_COLLECTIVE_CHECKS=0`` (or :func:`set_enabled`);
@@ -41,6 +42,10 @@ VARIABLE = "MPIFY_NB_COLLECTIVE_CHECKS"
 
 _originals: dict[str, Callable] = {}
 _wrappers: dict[str, Callable] = {}
+#: (a module's namespace, the key, torch's name) of each module-level name found bound to torch's
+#: own call; and the modules looked at already (each is looked at once: a later import binds ours).
+_bound: list[tuple[dict, str, str]] = []
+_scanned: set[str] = set()
 _local = threading.local()
 
 
@@ -83,7 +88,37 @@ def install_wrappers() -> bool:
         setattr(c10d, name, wrapper)
         if getattr(dist, name, None) is current:
             setattr(dist, name, wrapper)
+    _rebind_imported()
     return True
+
+
+def _rebind_imported() -> None:
+    """Point at our wrappers every module-level name an import made before :func:`install` bound to
+    torch's own call (DTensor's ``_collective_utils`` takes ``scatter`` from distributed_c10d, and
+    ``device_mesh`` its ``init_process_group``). Every rank must check a call or none may: one
+    that checks waits for its peers' calls, and a peer whose process imported the module earlier
+    went straight into gloo, publishing none: both waited for good. ``__main__`` is the
+    caller's (rank/checks.py swaps it around a call)."""
+    own = {id(original): name for name, original in _originals.items() if name in _wrappers}
+    for module_name, module in list(sys.modules.items()):
+        if module_name in _scanned:
+            continue
+        _scanned.add(module_name)
+        if module_name in ("__main__", "torch.distributed.distributed_c10d") or module_name.startswith("mpify_nb"):
+            continue
+        try:  # past a lazy module's own __getattribute__, which would import it now
+            namespace = object.__getattribute__(module, "__dict__")
+        except Exception:
+            continue
+        if not isinstance(namespace, dict):
+            continue
+        for key, value in list(namespace.items()):
+            name = own.get(id(value))
+            if name is not None and value is _originals[name]:
+                _bound.append((namespace, key, name))
+    for namespace, key, name in _bound:
+        if namespace.get(key) is _originals.get(name):
+            namespace[key] = _wrappers[name]
 
 
 install = install_wrappers
@@ -97,6 +132,9 @@ def uninstall() -> None:
         for module in (c10d, dist):
             if module is not None and getattr(module, name, None) is wrapper:
                 setattr(module, name, _originals[name])
+    for namespace, key, name in _bound:
+        if name in _wrappers and namespace.get(key) is _wrappers[name]:
+            namespace[key] = _originals[name]
     _wrappers.clear()
     _originals.clear()
 
