@@ -481,10 +481,9 @@ def total(dtype):
 
 
 def _through_a_module_bound_early(mismatch: bool):
+    import bound_early
     import torch
     import torch.distributed as dist
-
-    import bound_early
 
     bound_early.make_group("gloo")
     try:
@@ -503,9 +502,8 @@ def test_names_an_earlier_import_bound_to_torchs_own_are_checked_on_every_rank(t
     (tmp_path / "bound_early.py").write_text(BOUND_EARLY)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.chdir(tmp_path)
-    import torch.distributed as dist
-
     import bound_early
+    import torch.distributed as dist
 
     try:
         assert ranch(2, _through_a_module_bound_early, False, timeout=60) == [2.0, 2.0]

@@ -97,6 +97,7 @@ class SessionCalls(SessionRecovery):
             dead = [self._members[r] for r in targets if not self._members[r].alive]
             if dead:
                 raise merge_rank_errors([m.exit_error or RankExitedError(m.rank, None) for m in dead])
+            self._await_aborts()  # an earlier cell's abort, done before this cell's group can be made
             if self._group_broken:
                 self._rebuild()  # an earlier rebuild failed (or waited for a rank): try again now
             req = next(self._ids)

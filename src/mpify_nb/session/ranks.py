@@ -108,13 +108,17 @@ class SessionRanks:
         return {"world_size": self.world_size, "ddp": self.ddp, "backend": self._backend, "gpu": gpu,
                 "rendezvous": rendezvous, "comms": self._comms.available()}
 
+    def _await_aborts(self, within: float = 5.0) -> None:
+        """Wait (bounded) until every live rank has acknowledged the ABORT_GROUPs sent to it: one
+        a rank's control thread carried out late would destroy the group of a later cell."""
+        deadline = time.monotonic() + within
+        while any(m.alive and m.aborts > 0 for m in self._members.values()) and time.monotonic() < deadline:
+            self._engine.pump(0.05)
+
     def _start(self, ranks: list[int]) -> None:
         """Start ``ranks`` (fresh processes) and, with ddp, (re)build the group with every
         live member; return once all have joined."""
-        # No rank may still be cutting connections to its peers when the new group's are made.
-        deadline = time.monotonic() + 5.0
-        while any(m.alive and m.aborts > 0 for m in self._members.values()) and time.monotonic() < deadline:
-            self._engine.pump(0.05)
+        self._await_aborts()  # no rank may still be cutting connections when the new group's are made
         self._raise_if_others_dead(ranks)
         live_old = [m for m in self._members.values() if m.alive and m.rank not in ranks]
         host = min([m.rank for m in live_old] + ranks)  # the rank that hosts the store
