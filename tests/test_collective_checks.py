@@ -515,3 +515,33 @@ def test_names_an_earlier_import_bound_to_torchs_own_are_checked_on_every_rank(t
         assert not bound_early.all_reduce.__code__.co_filename.endswith(os.path.join("checks", "wrappers.py"))
     finally:
         del sys.modules["bound_early"]
+
+
+def _import_during_the_call():
+    import bound_during  # noqa: F401  (binds our wrapper: the check is installed during the call)
+
+    return True
+
+
+def test_a_wrapper_a_module_kept_from_a_call_is_torchs_own_between_calls(tmp_path, monkeypatch):
+    """A module the notebook imported during a call keeps our wrapper after it; between calls that
+    wrapper is torch's own (a group the notebook makes itself is not ours to check)."""
+    (tmp_path / "bound_during.py").write_text("from torch.distributed import all_reduce\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    try:
+        assert ranch(2, _import_during_the_call) == [True, True]
+        import bound_during
+
+        assert bound_during.all_reduce.__code__.co_filename.endswith(os.path.join("checks", "wrappers.py"))
+
+        def not_between_calls(*args, **kwargs):
+            raise AssertionError("checked between calls")
+
+        monkeypatch.setattr(wrappers, "_check", not_between_calls)
+        import torch
+
+        with pytest.raises(ValueError, match="Default process group has not been initialized"):
+            bound_during.all_reduce(torch.ones(1))
+    finally:
+        sys.modules.pop("bound_during", None)

@@ -3,8 +3,9 @@
 ::
 
     dist.all_reduce(x)  (looked up at the call, or bound by an import made after install())
-      └─ checked(): the switch off, or inside another checked call (all_gather_into_tensor runs
-                    all_gather_single) ──> torch's own
+      └─ checked(): the switch off, not installed (the notebook between calls: a module imported
+                    during a call keeps our name), or inside another checked call
+                    (all_gather_into_tensor runs all_gather_single) ──> torch's own
                     else: describe it (calls.py), its group's check (groups.py) ──> torch's own
     dist.init_process_group(...) / dist.new_group(...): torch's own, then the group's table is
                     made while every member is there (groups.set_up)
@@ -165,7 +166,7 @@ def _checker(name: str, original: Callable) -> Callable:
 
     @functools.wraps(original)
     def checked(*args: Any, **kwargs: Any) -> Any:
-        if not _on[0] or getattr(_local, "inside", False):
+        if not _on[0] or not _wrappers or getattr(_local, "inside", False):  # not installed: the notebook between calls
             return original(*args, **kwargs)
         handed = _check(kind, params, args, kwargs, blocking, original)
         if handed is not None:
@@ -195,7 +196,7 @@ def _maker(original: Callable) -> Callable:
     @functools.wraps(original)
     def making(*args: Any, **kwargs: Any) -> Any:
         made = original(*args, **kwargs)
-        if _on[0] and not getattr(_local, "inside", False):
+        if _on[0] and _wrappers and not getattr(_local, "inside", False):
             _set_up_new(made, original.__name__)
         return made
 
