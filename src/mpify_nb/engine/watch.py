@@ -64,6 +64,8 @@ class Watch:
         self.snaps: dict[int, Snapshot] = {}
         self.previous: dict[int, Snapshot] = {}
         self.last_round: dict[int, Snapshot] = {}  # the latest complete round's looks
+        self.latest: dict[int, Snapshot] = {}  # each rank's latest answer in this call, whatever its round
+        self.first_round = 1
         self.kept: dict[int, Snapshot] = {}  # snapshots of ranks that left (RETURNED, a last look)
         self.verdict: Optional[verdicts.Verdict] = None
         self.round = 0
@@ -85,7 +87,8 @@ class Watch:
         with self.cond:
             self.active = True
             self.world, self.members, self.absent, self.own, self.own_rank = world, members, absent, own, own_rank
-            self.snaps, self.previous, self.kept, self.last_round = {}, {}, {}, {}
+            self.snaps, self.previous, self.kept, self.last_round, self.latest = {}, {}, {}, {}, {}
+            self.first_round = self.round + 1  # answers to rounds before it are an earlier call's
             self.verdict = None
             self.asked = set()
             self.rounds_done = 0
@@ -133,13 +136,14 @@ class Watch:
     def look_now(self, pump: Callable[[float], None], stack: bool = False, within: float = 0.5) -> dict[int, Snapshot]:
         """A round now, waited for (at most ``within`` seconds): the ranks' snapshots. For the
         use's own loop (timeouts, the stop button): it pumps the engine with ``pump``. Without
-        stacks, a rank that did not answer in time (a busy loop on a loaded machine) is where the
-        round before saw it, rather than nowhere."""
+        stacks, a rank that did not answer in time is where its latest answer in this call saw it,
+        rather than nowhere (a rank whose main thread spins in Python answers slowly: its control
+        thread takes the interpreter's lock once per switch interval, 5 ms, at each of its reads)."""
         now = time.monotonic()
         if self.asked:
             self._finish_round(now)
         self._start_round(now, stack=stack)
-        earlier = {r: snap for r, snap in self.previous.items() if r in self.asked} if not stack else {}
+        earlier = {r: snap for r, snap in self.latest.items() if r in self.asked} if not stack else {}
         deadline = now + within
         while self.asked and time.monotonic() < deadline:
             pump(max(0.0, min(0.05, deadline - time.monotonic())))
@@ -197,12 +201,16 @@ class Watch:
                 self.snaps[self.own_rank] = snap
 
     def _on_seen(self, m: Any, req: int, body: Any, fds: list) -> None:
+        try:
+            snap: Optional[Snapshot] = pickle.loads(body)
+        except Exception:
+            snap = None
+        if snap is not None and self.first_round <= req <= self.round and self.active:
+            self.latest[m.rank] = snap  # a late answer still says where the rank was a moment ago
         if req != self.round or m.rank not in self.asked:
             return  # an answer to a round given up on
-        try:
-            self.snaps[m.rank] = pickle.loads(body)
-        except Exception:
-            pass
+        if snap is not None:
+            self.snaps[m.rank] = snap
         with self.cond:
             self.asked.discard(m.rank)
         if not self.asked:
