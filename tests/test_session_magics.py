@@ -684,7 +684,8 @@ def test_the_stop_button_during_dist_restart_leaves_every_rank(dist):
     dist.ok("restart_keep = rank")
     ran = dist.run("%%local\nfor _ in range(100):\n    get_ipython().run_line_magic('dist_restart', '1')",
                    during=interrupt_when(dist, r"Restarted rank 1"))
-    assert ran.reply["content"]["ename"] == "KeyboardInterrupt", ran.outputs
+    # (once in CI the cell ended without the press's KeyboardInterrupt: say all it did if it happens again)
+    assert ran.reply["content"].get("ename") == "KeyboardInterrupt", (ran.reply["content"], ran.outputs)
     assert dist.value("[(r.rank, r.state) for r in __import__('mpify_nb.magics.session').magics.session"
                       ".session().status()]") == [(0, "idle"), (1, "idle")]
     assert dist.ok("globals().get('restart_keep'), rank").shown() == ["[rank 0] (0, 0)\n[rank 1] (None, 1)"]
