@@ -682,9 +682,9 @@ def test_the_stop_button_during_dist_restart_leaves_every_rank(dist):
     # Before: an interrupt inside %dist_restart (between removing a rank and starting its
     # successor) left a session without that rank: every later cell failed with KeyError: 1.
     dist.ok("restart_keep = rank")
-    # Restarts until the press: under load the output that triggers it came after 100 of them had ended
-    # (once in CI: the cell ended without the press's KeyboardInterrupt).
-    ran = dist.run("%%local\nwhile True:\n    get_ipython().run_line_magic('dist_restart', '1')",
+    # Twice in CI under load (once in 100 restarts, once on torch 2.4.1 in a loop without end) the cell went on
+    # as if no press came: not reproduced alone or in the module's run (noted, open); say all if it happens.
+    ran = dist.run("%%local\nfor _ in range(100):\n    get_ipython().run_line_magic('dist_restart', '1')",
                    during=interrupt_when(dist, r"Restarted rank 1"))
     assert ran.reply["content"].get("ename") == "KeyboardInterrupt", (ran.reply["content"], ran.outputs)
     assert dist.value("[(r.rank, r.state) for r in __import__('mpify_nb.magics.session').magics.session"
