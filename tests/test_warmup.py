@@ -168,3 +168,31 @@ def test_no_warmup_starts_with_prewarm_off(notebook):
         "print(repr(warmup.outcome), [t.name for t in threading.enumerate() if 'warm' in t.name])",
     ])
     assert nbutil.stream_text(cells[1]) == "'' []\n"
+
+
+def test_the_warmup_looks_at_the_modules_ahead_so_the_first_calls_check_looks_only_at_what_came_since(tmp_path):
+    """The collective check points every name an earlier import bound to torch's own call at its wrapper: a
+    look at every module (~2,400, 14-26 ms) that the notebook's first call paid (its first DDP call 1.3x ->
+    2.1x its later ones). The warm-up looks ahead between cells; a module imported after it is still found
+    by the call's install, and both names are checked."""
+    (tmp_path / "bound_before.py").write_text("from torch.distributed.distributed_c10d import scatter\n")
+    (tmp_path / "bound_after.py").write_text("from torch.distributed import all_reduce as reduce_it\n")
+    found = run_script(f"""
+        import json, sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        import torch, torch.distributed
+        import bound_before
+        from mpify_nb.torchdist import warmup
+        from mpify_nb.torchdist.checks import wrappers
+        warmup.start()
+        warmup.wait(240)
+        ahead = "bound_before" in wrappers._scanned and "torch" in wrappers._scanned
+        import bound_after
+        wrappers.install_wrappers()
+        checked = [m.scatter is wrappers._wrappers["scatter"] for m in (bound_before,)] + \\
+                  [bound_after.reduce_it is wrappers._wrappers["all_reduce"]]
+        wrappers.uninstall()
+        print(json.dumps({{"outcome": warmup.outcome, "ahead": ahead, "checked": checked,
+                          "own_again": bound_after.reduce_it is torch.distributed.all_reduce}}))
+        """, MPIFY_NB_PREWARM="1")
+    assert found == {"outcome": "imported", "ahead": True, "checked": [True, True], "own_again": True}, found

@@ -192,6 +192,10 @@ class Template:
             process.kill_descendants(spare=self.children, reap=False)
             self.reply(REJECTED, name, unsafe)
             return
+        # Its forks inherit the look at what it bound (a rank's check then looks at nothing at its start).
+        from ..torchdist.checks import wrappers
+
+        wrappers.look_for_bound_names()
         # Failed or not, what it imported stays (a module imported before the failing line).
         self.reply(GREW, name, [n for n in sys.modules if n not in before], failure)
 

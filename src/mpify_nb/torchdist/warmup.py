@@ -128,6 +128,10 @@ def _run(after: Optional[Callable[[], object]], modules: tuple[str, ...], need_t
             for hook in list(_hooks):
                 hook(added)
             outcome = "imported"
+        if "torch.distributed" in sys.modules:
+            from .checks import wrappers
+
+            wrappers.look_for_bound_names()  # the first call's check then looks only at what came since
     except BaseException as e:  # only a speed-up is lost; the first DDP call imports it itself
         outcome = f"failed: {type(e).__name__}: {e}"
     finally:

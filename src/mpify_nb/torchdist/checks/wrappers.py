@@ -12,7 +12,8 @@
 
 Both names torch resolves are replaced (``torch.distributed.x`` and ``distributed_c10d.x``,
 which torch's own helpers call: ``all_gather_object``'s two ``all_gather``s are checked), and
-every module-level name an earlier import bound to torch's own (:func:`_rebind_imported`).
+every module-level name an earlier import bound to torch's own (:func:`_rebind_imported`; the look for
+them is made ahead where it can be: :func:`look_for_bound_names`).
 :func:`install` runs where nothing of the user's has run yet (the template before it forks a
 rank; a spawned rank at its start); in the notebook, around each call that plays a rank (rank/
 checks.py). Checks are on unless ``MPIFY_NB_COLLECTIVE_CHECKS=0`` (or :func:`set_enabled`);
@@ -47,6 +48,7 @@ _wrappers: dict[str, Callable] = {}
 #: own call; and the modules looked at already (each is looked at once: a later import binds ours).
 _bound: list[tuple[dict, str, str]] = []
 _scanned: set[str] = set()
+_scan_lock = threading.Lock()
 _local = threading.local()
 
 
@@ -100,26 +102,49 @@ def _rebind_imported() -> None:
     that checks waits for its peers' calls, and a peer whose process imported the module earlier
     went straight into gloo, publishing none: both waited for good. ``__main__`` is the
     caller's (rank/checks.py swaps it around a call)."""
-    own = {id(original): name for name, original in _originals.items() if name in _wrappers}
-    for module_name, module in list(sys.modules.items()):
-        if module_name in _scanned:
-            continue
-        _scanned.add(module_name)
-        if module_name in ("__main__", "torch.distributed.distributed_c10d") or module_name.startswith("mpify_nb"):
-            continue
-        try:  # past a lazy module's own __getattribute__, which would import it now
-            namespace = object.__getattribute__(module, "__dict__")
-        except Exception:
-            continue
-        if not isinstance(namespace, dict):
-            continue
-        for key, value in list(namespace.items()):
-            name = own.get(id(value))
-            if name is not None and value is _originals[name]:
-                _bound.append((namespace, key, name))
+    look_for_bound_names()
     for namespace, key, name in _bound:
         if namespace.get(key) is _originals.get(name):
             namespace[key] = _wrappers[name]
+
+
+def look_for_bound_names() -> None:
+    """Find, in the modules not looked at yet, the names bound to torch's own calls (:data:`_bound`).
+    A look at every module (~2,400 in a notebook that imported torch, 14 ms) is done ahead where it
+    can be: by the notebook's warm-up between cells, by the template as it grows (its forks inherit
+    it), so that a call's :func:`install` looks only at what was imported since. Any thread."""
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    if c10d is None:
+        return
+    own: dict[int, str] = {}
+    for name in CHECKED + MAKERS:
+        current = getattr(c10d, name, None)
+        original = _originals.get(name) if _is_ours(current, name) else current
+        if original is not None:
+            own[id(original)] = name
+    targets = set(own)
+    with _scan_lock:
+        for module_name, module in list(sys.modules.items()):
+            if module_name in _scanned:
+                continue
+            _scanned.add(module_name)
+            if module_name in ("__main__", "torch.distributed.distributed_c10d") or module_name.startswith("mpify_nb"):
+                continue
+            try:  # past a lazy module's own __getattribute__, which would import it now
+                namespace = object.__getattribute__(module, "__dict__")
+            except Exception:
+                continue
+            if not isinstance(namespace, dict):
+                continue
+            try:  # in C: most modules hold none of torch's calls
+                if targets.isdisjoint(map(id, namespace.values())):
+                    continue
+            except RuntimeError:  # another thread imports into it now: look item by item
+                pass
+            for key, value in list(namespace.items()):
+                name = own.get(id(value))  # both alive: the same id is the same object
+                if name is not None:
+                    _bound.append((namespace, key, name))
 
 
 install = install_wrappers
