@@ -324,3 +324,29 @@ def test_a_session_cell_whose_rank_fails_in_or_after_its_own_init_ends_within_2s
             assert "rank 1 raised FileNotFoundError" in str(info.value)
             assert s.run("x") == {0: 0, 1: 10}
         assert s.run("hs.fails_around_init(5, 'never')") == {0: 2, 1: 2}  # its own group again, cell after cell
+
+
+def test_a_store_whose_host_died_once_it_was_open_lets_the_stop_through():
+    """The rendezvous saw the call's store open, then its host died before this client connected
+    (CI under load: test_a_rank_dying_around_the_scripts_init_ends_the_call[during] hung in the
+    notebook's rank). torch retries a refused connect in C++ for the rendezvous's whole timeout (30
+    minutes), where neither the stop nor the call's failure detection reaches the thread. The client
+    connects in short tries now, and the stop lands between them."""
+    import datetime
+    import signal
+    import threading
+
+    from mpify_nb.torchdist import rendezvous
+
+    with socket.socket() as s:  # a port nothing listens on any more: the host that opened it is gone
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    press = threading.Timer(0.5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    start = time.monotonic()
+    try:
+        press.start()
+        with pytest.raises(KeyboardInterrupt):
+            rendezvous._client("127.0.0.1", port, 2, datetime.timedelta(minutes=30))
+    finally:
+        press.join()
+    assert time.monotonic() - start < 30, "the stop waited for torch's connect retries"

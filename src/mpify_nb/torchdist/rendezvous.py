@@ -59,6 +59,8 @@ VARIABLE = "MPIFY_NB_RENDEZVOUS"
 HOST_VARIABLE = "MPIFY_NB_STORE_RANK"
 #: How often a rank looks whether the host has opened the store yet (it opens at its first rendezvous).
 _PROBE_EVERY = 0.002
+#: How long one connect to an open store may retry in C++ before we look again, in Python.
+_CONNECT_TRY = 2.0
 _SCHEMES = ("env", "tcp")
 
 _lock = threading.Lock()
@@ -213,7 +215,7 @@ def _handler(scheme: str, original: Callable) -> Callable:
 
 def _store(value: str, rank: int, world: int, timeout: datetime.timedelta) -> Any:
     """A client of the call's store for one rendezvous, its keys apart from every other one's."""
-    from torch.distributed import HashStore, PrefixStore, TCPStore  # pyright: ignore[reportPrivateImportUsage]
+    from torch.distributed import HashStore, PrefixStore  # pyright: ignore[reportPrivateImportUsage]
 
     groups.keep_groups()  # torch imported since activate(): from now on (init_process_group calls it next)
     address, port_text, world_text, _token = value.rsplit("|", 3)
@@ -233,7 +235,7 @@ def _store(value: str, rank: int, world: int, timeout: datetime.timedelta) -> An
         store = _host(address, port, call_world, timeout)
     else:
         _wait_open(address, port, seconds)
-        store = TCPStore(address, port, world, is_master=False, timeout=timeout)
+        store = _client(address, port, world, timeout)
     return PrefixStore(f"mpify_nb/{unit}/{n}" if unit else f"mpify_nb/{n}", store)
 
 
@@ -265,6 +267,29 @@ def _host(address: str, port: int, world: int, timeout: datetime.timedelta) -> A
                            master_listen_fd=fd, **compat.listen_fd_store_options())
         _open.add((address, port))
     return _hosted
+
+
+def _client(address: str, port: int, world: int, timeout: datetime.timedelta) -> Any:
+    """A client of the store :func:`_wait_open` saw open, connected in short tries, then given the
+    rendezvous's whole timeout for its waits. torch retries a refused connect in C++ for that whole
+    timeout (30 minutes by default), where no stop reaches the thread: a host that died between our
+    look and the connect (CI, under load) left the notebook there for good."""
+    from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
+
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            store = TCPStore(address, port, world, is_master=False,
+                             timeout=datetime.timedelta(seconds=max(0.1, min(_CONNECT_TRY, left))))
+            break
+        except (RuntimeError, OSError):  # torch's DistNetworkError, DistStoreError; TimeoutError
+            if _aborted.is_set() or left <= 0:
+                raise
+            _open.discard((address, port))  # the stop, if one comes, lands here between tries
+            _wait_open(address, port, left)
+    store.set_timeout(timeout)
+    return store
 
 
 def _wait_open(address: str, port: int, seconds: float) -> None:
