@@ -699,7 +699,7 @@ def test_the_stop_button_during_dist_restart_leaves_every_rank(dist):
     # Before: an interrupt inside %dist_restart (between removing a rank and starting its
     # successor) left a session without that rank: every later cell failed with KeyError: 1.
     dist.ok("restart_keep = rank")
-    # Restarts until the button stops them. Three times in CI under load (never in 186 tries alone and beside
+    # Restarts until the button stops them. Three times in CI under load (never in 180 tries alone and beside
     # 2-5 busy loops, nor in 6 runs of this module) a press went unseen and the cell went on: a user presses
     # again, and so does this test, saying so (open: CHANGELOG); the state after the stop is what it checks.
     presses: list[float] = []
