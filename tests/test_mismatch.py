@@ -573,6 +573,25 @@ def test_healthy_workloads_raise_no_alarm_under_ranch(workload):
         assert values == expected[workload]
 
 
+def test_the_callers_rank_is_absent_only_once_what_it_issued_is_kept(monkeypatch):
+    """The watch thread reads which ranks left the call, then what they issued: the caller's own
+    rank must not be absent before its issued collectives are kept. Between the two, a peer still
+    finishing the last collective (rank 1 of examples/fsdp_tp.ipynb under load, in CI) read as one
+    waiting in a collective "which rank 0 never joined"."""
+    from mpify_nb.engine.watch import Watch
+
+    seen = []
+    returned = Watch.returned
+
+    def returned_and_told(self, rank, snap):
+        seen.append((rank, dict(self.absent()), sorted(self.kept)))
+        return returned(self, rank, snap)
+
+    monkeypatch.setattr(Watch, "returned", returned_and_told)
+    assert ranch(2, hm.working_collective, ctx=in_torchddp()) == [[3.0, 3.0], [3.0, 3.0]]
+    assert [0 in absent for rank, absent, _kept in seen if rank == 0] == [False], seen
+
+
 # -- a real kernel: cell numbers, the live line, %dist_where, the stop button --------------------
 
 @pytest.fixture(scope="module")

@@ -184,7 +184,11 @@ class WatchedCall:
             snap = waits.snapshot_of_return(rank)
         except Exception:
             snap = None
-        self.own_returned = True
+        # What it issued is kept before it is absent: the watch thread reads absent() first, then
+        # what is kept, and an absent rank without its kept snapshot reads as one that never joined
+        # the collective its peer still finishes (a false "rank 0 never joined" under load).
         if snap is not None:
             self.watch.returned(rank, snap)
+        self.own_returned = True
+        if snap is not None:
             self.engine.wake()
