@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -590,6 +591,35 @@ def test_the_callers_rank_is_absent_only_once_what_it_issued_is_kept(monkeypatch
     monkeypatch.setattr(Watch, "returned", returned_and_told)
     assert ranch(2, hm.working_collective, ctx=in_torchddp()) == [[3.0, 3.0], [3.0, 3.0]]
     assert [0 in absent for rank, absent, _kept in seen if rank == 0] == [False], seen
+
+
+def _spin(stop: threading.Event) -> None:
+    # It lets the interpreter go at two lines: a look may find it at either.
+    while not stop.is_set():
+        time.sleep(0)
+        time.sleep(0)
+
+
+def test_a_look_with_the_stack_names_the_line_its_stack_shows():
+    """The thread looked at goes on meanwhile: where a look says it is and the stack it shows are one
+    read (a Session's where() in CI named line 7 beside a stack at line 8)."""
+    interval = sys.getswitchinterval()
+    stop = threading.Event()
+    spinner = threading.Thread(target=_spin, args=(stop,), daemon=True)
+    spinner.start()
+    sys.setswitchinterval(1e-6)  # the spinner runs between two reads of its frame, often
+    try:
+        apart = []
+        for _ in range(3000):
+            snap = waits.snapshot(0, spinner.ident, spinner.native_id, stack=True)
+            shown = [(f, line) for f, line, _function in snap.stack if f == __file__]
+            if snap.where != shown[-1]:
+                apart.append((snap.where, shown[-1]))
+    finally:
+        sys.setswitchinterval(interval)
+        stop.set()
+        spinner.join()
+    assert apart == [], f"{len(apart)} of 3000 looks apart, e.g. {apart[0]}"
 
 
 # -- a real kernel: cell numbers, the live line, %dist_where, the stop button --------------------

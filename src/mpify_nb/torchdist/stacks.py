@@ -260,6 +260,17 @@ def _is_user_file(filename: str) -> bool:
     return not filename.startswith(_LIBRARY_PREFIXES) and not filename.startswith(_PACKAGE_DIR)
 
 
+def user_line_in(frames: tuple[tuple[str, int, str], ...]) -> Optional[tuple[str, int]]:
+    """:func:`user_line`'s answer from a stack :func:`_stack` took: the line the stack shows (the
+    thread goes on meanwhile: two reads of its frame could name two lines)."""
+    for filename, lineno, _function in reversed(frames):
+        if filename.startswith(_PACKAGE_DIR):
+            return None
+        if _is_user_file(filename):
+            return filename, lineno
+    return None
+
+
 def user_line(frame: Any) -> Optional[tuple[str, int]]:
     """(file, line) of the innermost frame from ``frame`` out that is the user's own code (a
     cell, a module of theirs), not torch's, the standard library's or ours; None once our own
