@@ -241,3 +241,23 @@ def healthy(workload: str):
         dist.all_reduce(x)
         return x.item()
     raise ValueError(workload)
+
+
+def p2p_counted():
+    """Rank 0 sends rank 1 two blocking sends and an isend; rank 1 receives them (two recvs and an
+    irecv): what each counted (torch >= 2.6 makes send() of isend(): counted once)."""
+    import torch
+    import torch.distributed as dist
+
+    from mpify_nb.torchdist import p2p
+
+    t = torch.ones(3)
+    if _rank() == 0:
+        dist.send(t, 1)
+        dist.send(t, dst=1, tag=0)
+        dist.isend(t, 1).wait()
+    else:
+        dist.recv(t, 0)
+        dist.recv(t, src=0)
+        dist.irecv(t, 0).wait()
+    return sorted(p2p.counts())

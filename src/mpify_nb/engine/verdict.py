@@ -9,7 +9,8 @@ never about how long they have waited (time only decides when the watch looks)::
                  other sizes or dtypes, another src/dst. If the other one returned from it,
                  it got a wrong value.
     absent       a rank waits in a collective of a group one of whose ranks left (returned
-                 from fn, idle, finished the cell, raised, died) without issuing it.
+                 from fn, idle, finished the cell, raised, died) without issuing it; in a send
+                 or recv whose peer left without making its part (counted per peer).
     deadlock     ranks blocked in torch.distributed calls, the same in two looks in a row,
                  none of which any rank can ever match: each receives from the other, each
                  sends, another tag, or each waits for a rank blocked elsewhere.
@@ -201,6 +202,10 @@ def _absent(snaps: dict[int, Snapshot], running: dict[int, Snapshot], world: int
                 continue
             if op is not None and op.seq is not None and op.group is not None:
                 gone = [a for a in gone if a not in snaps or snaps[a].issued.get(op.group, 0) < op.seq]
+            if op is not None and op.is_p2p and op.nth is not None:
+                # It left having made its part: a send on its way to this recv (gloo's send returns
+                # once its bytes are out), a recv posted for this send. The transfer is under way.
+                gone = [a for a in gone if a not in snaps or not _made_its_part(snaps[a], op, r)]
             if gone:
                 stuck[r] = op
                 missing.update(gone)
@@ -222,6 +227,15 @@ def _absent(snaps: dict[int, Snapshot], running: dict[int, Snapshot], world: int
         what = (f"{_rank_list(sorted(missing))} returned from fn without joining {op.kind} #{op.seq}, which "
                 f"{_rank_list(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in{at}")
     return Verdict("absent", waiting, sorted(missing), what=what, label=label)
+
+
+def _made_its_part(theirs: Snapshot, op: Op, r: int) -> bool:
+    """Did the rank ``op`` waits on (it left the call) make the call that meets rank ``r``'s
+    ``op``, its ``nth`` send to (recv from) that rank? By their counts, per peer."""
+    assert op.nth is not None
+    if op.kind == "recv":
+        return theirs.p2p_count("send", r) >= op.nth
+    return theirs.p2p_count("recv", r) + theirs.p2p_count("recv", None) >= op.nth
 
 
 def _label(s: Snapshot, op: Optional[Op]) -> str:

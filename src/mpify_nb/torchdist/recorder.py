@@ -61,7 +61,8 @@ class Op:
     scatter's src, a reduce's or gather's dst, a send's or recv's peer (a global rank; None:
     unknown); ``done``: it completed on this rank; ``issued_ns``: when (wall clock);
     ``called``: told by the collective check a rank waits in (the call as the user made it,
-    not yet in the backend), not by the recorder."""
+    not yet in the backend), not by the recorder; ``nth``: a send's or recv's count among this
+    rank's sends to (recvs from) that peer since its groups began (torchdist/p2p.py)."""
 
     kind: str
     group: Optional[str] = None
@@ -74,6 +75,7 @@ class Op:
     done: bool = False
     issued_ns: int = 0
     called: bool = False
+    nth: Optional[int] = None
 
     @property
     def is_p2p(self) -> bool:

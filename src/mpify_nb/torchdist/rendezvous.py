@@ -59,8 +59,10 @@ VARIABLE = "MPIFY_NB_RENDEZVOUS"
 HOST_VARIABLE = "MPIFY_NB_STORE_RANK"
 #: How often a rank looks whether the host has opened the store yet (it opens at its first rendezvous).
 _PROBE_EVERY = 0.002
-#: How long one connect to an open store may retry in C++ before we look again, in Python.
-_CONNECT_TRY = 2.0
+#: How long one connect to an open store may retry in C++ before we look again, in Python: short
+#: at first (a host that died with the store's socket open is seen within a try; a 2 s try made a
+#: failing rank's call end 2-3 s after its death), then longer (a slow host, under load).
+_CONNECT_TRIES = (0.25, 0.5, 1.0, 2.0)
 _SCHEMES = ("env", "tcp")
 
 _lock = threading.Lock()
@@ -277,11 +279,14 @@ def _client(address: str, port: int, world: int, timeout: datetime.timedelta) ->
     from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
     deadline = time.monotonic() + timeout.total_seconds()
+    tries = 0
     while True:
         left = deadline - time.monotonic()
+        longest = _CONNECT_TRIES[min(tries, len(_CONNECT_TRIES) - 1)]
+        tries += 1
         try:
             store = TCPStore(address, port, world, is_master=False,
-                             timeout=datetime.timedelta(seconds=max(0.1, min(_CONNECT_TRY, left))))
+                             timeout=datetime.timedelta(seconds=max(0.1, min(longest, left))))
             break
         except (RuntimeError, OSError):  # torch's DistNetworkError, DistStoreError; TimeoutError
             if _aborted.is_set() or left <= 0:

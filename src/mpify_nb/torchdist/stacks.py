@@ -21,12 +21,19 @@ from .recorder import ROOTED, Op
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # mpify_nb/, above torchdist/
 _LIBRARY_PREFIXES = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix, _PACKAGE_DIR})
+#: p2p's wrappers stand between the user's send/recv and torch's: a frame of torch's, not ours.
+_P2P_FILE = p2p.__file__
+
+
+def _ours(filename: str) -> bool:
+    """A frame of this library's (what runs the user's code), not one it put inside their call."""
+    return filename.startswith(_PACKAGE_DIR) and filename != _P2P_FILE
 
 
 def _in_our_loop(frame: Any) -> bool:
     """The thread is in this library's own code, outside the user's (a persistent rank between cells)."""
     while frame is not None:
-        if frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        if _ours(frame.f_code.co_filename):
             return True
         frame = frame.f_back
     return False
@@ -56,7 +63,7 @@ def _stack(frame: Any) -> tuple[tuple[str, int, str], ...]:
     seen_user = False
     while frame is not None:
         filename = frame.f_code.co_filename
-        if seen_user and filename.startswith(_PACKAGE_DIR):
+        if seen_user and _ours(filename):
             break  # our code, which runs the user's
         seen_user = seen_user or _is_user_file(filename)
         frames.append((filename, frame.f_lineno, frame.f_code.co_name))
@@ -135,8 +142,11 @@ def _p2p_op(name: str, local: dict) -> tuple[Op, bool]:
     shape = getattr(tensor, "shape", None)
     tensors = ((_dtype_name(tensor), tuple(shape)),) if shape is not None else ()
     tag = local.get("tag") if isinstance(local.get("tag"), int) else None
+    nth = local.get("_nth")  # an isend's or irecv's, noted; a blocking call's is the one under way:
+    if nth is None:  # a recv is counted as it is posted, a send once it is made
+        nth = p2p.count(name, peer) + (1 if name == "send" else 0)
     op = Op(name, _group_name(group), ranks, None, tensors if name == "send" else (),
-            tensors if name == "recv" else (), peer, tag)
+            tensors if name == "recv" else (), peer, tag, nth=nth or None)
     return op, peer is None
 
 
@@ -264,7 +274,7 @@ def user_line_in(frames: tuple[tuple[str, int, str], ...]) -> Optional[tuple[str
     """:func:`user_line`'s answer from a stack :func:`_stack` took: the line the stack shows (the
     thread goes on meanwhile: two reads of its frame could name two lines)."""
     for filename, lineno, _function in reversed(frames):
-        if filename.startswith(_PACKAGE_DIR):
+        if _ours(filename):
             return None
         if _is_user_file(filename):
             return filename, lineno
@@ -277,7 +287,7 @@ def user_line(frame: Any) -> Optional[tuple[str, int]]:
     code is reached first (what calls it, a rank's loop, a template's ``python -c``, is not the user's)."""
     while frame is not None:
         filename = frame.f_code.co_filename
-        if filename.startswith(_PACKAGE_DIR):
+        if _ours(filename):
             return None
         if _is_user_file(filename):
             return filename, frame.f_lineno

@@ -63,6 +63,8 @@ class Snapshot:
     #: Per group with a collective check: (its name, calls published, calls judged, the number of the
     #: last collective it entered in gloo), read after its recorder (engine/verdict.py's "bypassed").
     checks: tuple[tuple[str, int, int, int], ...] = ()
+    #: Its sends to and recvs from each peer since its groups began: ((kind, peer, count), ...).
+    p2p: tuple[tuple[str, Optional[int], int], ...] = ()
 
     @property
     def pending(self) -> list[Op]:
@@ -76,6 +78,10 @@ class Snapshot:
     @property
     def issued(self) -> dict[str, int]:
         return issued(list(self.ops))
+
+    def p2p_count(self, kind: str, peer: Optional[int]) -> int:
+        """Its sends to (``kind`` "send") or recvs from ``peer`` so far (None: from any rank)."""
+        return sum(n for k, p, n in self.p2p if k == kind and p == peer)
 
     def op_at(self, group: str, seq: int) -> Optional[Op]:
         for o in self.ops:
@@ -116,6 +122,7 @@ def mark_groups_born() -> None:
     of its earlier calls)."""
     global _groups_born_ns
     _groups_born_ns = time.time_ns()
+    p2p.reset()
 
 
 #: A dump of a recorder bigger than ours (the user chose its size, or a group was made before we
@@ -226,7 +233,7 @@ def snapshot(rank: int, thread_id: int, native_id: Optional[int] = None, stack: 
         doing = "idle"
     else:
         doing = _doing(frame, native_id)
-    return Snapshot(rank, tuple(ops), blocked, label, any_peer, where, doing, frames, checks=checks)
+    return Snapshot(rank, tuple(ops), blocked, label, any_peer, where, doing, frames, checks=checks, p2p=p2p.counts())
 
 
 def _check_counts(ops: list[Op]) -> tuple[tuple[str, int, int, int], ...]:
@@ -282,8 +289,9 @@ def snapshot_of_return(rank: int, settle: bool = True) -> Optional[Snapshot]:
     the peers know them by. ``settle``: wait (up to 50 ms) for those it returned from to be
     retired; else they are read as they are."""
     entries = _recorder_entries(force=True)
-    if not entries:
-        return None
+    sent = p2p.counts()
+    if not entries:  # no collective recorded (gloo before torch 2.8): what it sent, if anything
+        return Snapshot(rank, doing="returned", p2p=sent) if sent else None
     groups = groups_now() or None
     ops = entries_to_ops(entries, groups, _groups_born_ns)
     deadline = time.monotonic() + (_RETIRE_PATIENCE if settle else 0.0)
@@ -294,7 +302,7 @@ def snapshot_of_return(rank: int, settle: bool = True) -> Optional[Snapshot]:
         time.sleep(pause)
         pause = min(pause * 2, longest)
         ops = entries_to_ops(_recorder_entries(force=True), groups, _groups_born_ns)
-    return Snapshot(rank, tuple(ops), doing="returned") if ops else None
+    return Snapshot(rank, tuple(ops), doing="returned", p2p=sent) if ops or sent else None
 
 
 def snapshot_of_failure(rank: int, exc: BaseException) -> Optional[Snapshot]:
@@ -325,7 +333,8 @@ def snapshot_of_failure(rank: int, exc: BaseException) -> Optional[Snapshot]:
     last = ops[-1]
     blocked = Op(last.kind, last.group, last.ranks, last.seq, last.inputs, last.outputs, last.root, last.tag,
                  done=False, issued_ns=last.issued_ns)
-    return Snapshot(rank, tuple(ops[:-1]) + (blocked,), blocked, f"dist.{last.kind}", False, where, "waiting")
+    return Snapshot(rank, tuple(ops[:-1]) + (blocked,), blocked, f"dist.{last.kind}", False, where, "waiting",
+                    p2p=p2p.counts())
 
 
 

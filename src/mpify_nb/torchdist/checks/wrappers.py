@@ -30,6 +30,7 @@ import threading
 import weakref
 from typing import Any, Callable, Optional
 
+from .. import p2p
 from ..recorder import Op
 from . import calls, groups
 
@@ -82,6 +83,7 @@ def install_wrappers() -> bool:
     dist = sys.modules.get("torch.distributed")
     if c10d is None or dist is None:
         return False
+    p2p.install()  # inside ours: a send or recv is counted once it passed its check, as torch makes it
     for name in CHECKED + MAKERS:
         current = getattr(c10d, name, None)
         if current is None or name in _wrappers and _is_ours(current, name):
