@@ -132,14 +132,17 @@ def floor_requirements() -> list[str]:
 
 @nox.session
 def floor(session: nox.Session) -> None:
-    """The version-sensitive tests (FLOOR_TESTS; or the tests named after ``--``) on the floor,
-    FLOOR_TORCH, as the package index builds it: a CUDA build (~3 GB of wheels) that runs on CPU.
-    One install, torch pinned so nothing may upgrade it. .ci/run makes its venv beside the main install
-    and the suite (``--install-only``, 5.2 GB), and runs its tests (``-R``) beside the other sessions."""
+    """The version-sensitive tests (FLOOR_TESTS; or the ``tests/...`` named after ``--``, where
+    pytest's other arguments, such as ``-n 3``, are passed on) on the floor, FLOOR_TORCH, as the
+    package index builds it: a CUDA build (~3 GB of wheels) that runs on CPU. One install, torch
+    pinned so nothing may upgrade it. .ci/run makes its venv beside the main install and the suite
+    (``--install-only``, 5.2 GB), and runs its tests (``-R``) once the suite is done, beside the docs."""
     session.install(FLOOR_TORCH, "-e", ".", *floor_requirements())
     session.run("python", "-c", f"import torch; assert torch.__version__.split('+')[0] == "
                 f"{FLOOR_TORCH.split('==')[1]!r}, torch.__version__; print('torch', torch.__version__)")
-    session.run("python", "-m", "pytest", *(session.posargs or FLOOR_TESTS))
+    tests = [arg for arg in session.posargs if arg.startswith("tests")]
+    options = [arg for arg in session.posargs if arg not in tests]
+    session.run("python", "-m", "pytest", *options, *(tests or FLOOR_TESTS))
 
 
 @nox.session
