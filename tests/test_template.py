@@ -175,6 +175,25 @@ def test_a_calls_timeout_does_not_count_the_templates_start(tmp_path):
         mpify_nb.ranch(2, hr.sleep_in_python, str(tmp_path), 30, timeout=3)  # its own time still counts
 
 
+def test_a_call_ends_when_its_ranks_do_while_their_template_cannot_tell(tmp_path):
+    """The ranks' template is busy (here: stopped) once it forked them, as it is in a long import of
+    its preload: their exits are seen on their own pidfds, not waited for from it. Before: the call
+    ended after 5 s (each rank's grace, then its burial, waited for the template's word)."""
+    assert mpify_nb.ranch(2, hr.rank, caller_rank=None) == [0, 1]  # a template started and ready
+    client = template.get_template()
+    stop = threading.Timer(0.3, os.kill, (client.pid, signal.SIGSTOP))  # the ranks are forked by then
+    stop.start()
+    t0 = time.monotonic()
+    try:
+        assert mpify_nb.ranch(2, hr.sleep_in_python, str(tmp_path), 1.0, caller_rank=None) == [0, 1]
+        took = time.monotonic() - t0
+    finally:
+        stop.join()
+        os.kill(client.pid, signal.SIGCONT)
+    assert took < 4.0, f"{took:.1f} s"
+    assert mpify_nb.ranch(2, hr.rank) == [0, 1]
+
+
 def test_a_template_that_does_not_start_says_how_long_it_was_waited_for(monkeypatch):
     monkeypatch.setattr(template, "START_PATIENCE", 1.0)
     template.shutdown()

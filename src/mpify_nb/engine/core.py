@@ -92,6 +92,11 @@ def remove_capability(install: Callable[[Engine], None]) -> None:
         _capabilities.remove(install)
 
 
+#: How long a dead rank's burial waits to hear it was reaped (its template does it within milliseconds,
+#: unless it is in a long import).
+_REAPED_WITHIN = 0.5
+
+
 class Engine:
     """Live ranks and their one event loop. ``pump_output``: relay the ranks' stdout/stderr
     in :meth:`pump` (a Session: written on the call's thread), else on the relay's own
@@ -367,8 +372,11 @@ class Engine:
         m.buried = True
         self.gone(m)
         m.process.kill()
-        if m.process.exit_code(timeout=5.0) is None:
-            m.process.wait_gone(5.0)  # e.g. its template died with it: no exit code
+        # Gone as its own pidfd says; then reaped (by us, or by the template that forked it, which
+        # says so), waited for only a moment: a template in a long import of its preload reaps after
+        # it, and each call's end waited for that (up to 5 s) when this waited for its word.
+        m.process.wait_gone(5.0)
+        m.process.exit_code(timeout=_REAPED_WITHIN)
         m.process.kill_leftovers()  # what it started, in its own process group
         if m.out_fds:
             self.relay.forget(list(m.out_fds))

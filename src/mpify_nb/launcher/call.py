@@ -412,14 +412,16 @@ class Call(WatchedCall):
 
 def _stop_ranks(ranks: list[_Rank], failed: bool, store_host: Optional[int]) -> None:
     """The call's end: finished ranks get a moment to exit on their own; everything else is killed
-    now (the store's host too: it waits to be told the call is over, its store may still be in use)."""
+    now (the store's host too: it waits to be told the call is over, its store may still be in use).
+    Gone is seen on the rank's own pidfd, not told by the template that forked it: a template in a
+    long import (its preload) tells its children's exits only after it, and a call waited for it."""
     deadline = time.monotonic() + (0 if failed else _EXIT_GRACE)
     for handle in ranks:
         if failed or not handle.done or handle.rank == store_host:
             handle.process.kill()
         else:
             remaining = max(0.0, deadline - time.monotonic())
-            if handle.process.exit_code(remaining) is None:
+            if not handle.process.wait_gone(remaining):
                 handle.process.kill()
 
 

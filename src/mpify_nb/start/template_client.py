@@ -38,6 +38,9 @@ from ..wire import framing
 from .environ import _env_signature, bootstrap_env, own_process_group
 from .template_process import COMPILE, EXITED, FORK, FORKED, GREW, GROW, READY, REFUSED, REJECTED, RETIRE, TRYING
 
+#: Exit codes kept for ranks nobody asked about (a call asks only about a rank that failed).
+_EXITS_KEPT = 256
+
 
 class TemplateDied(RuntimeError):
     """The template process is gone, or stopped answering."""
@@ -455,12 +458,15 @@ class TemplateClient:
                         self._ready = True
                     elif kind == FORKED:
                         self._forked[reply[1]] = reply[2]
+                        self._exited.pop(reply[2], None)  # an earlier process's, under a pid reused
                         self._born[reply[2]] = self.held.frozen()
                         self._live.add(reply[2])
                     elif kind == REFUSED:
                         self._refused[reply[1]] = reply[2]
                     elif kind == EXITED:
                         self._exited[reply[1]] = reply[2]
+                        if len(self._exited) > _EXITS_KEPT:  # codes nobody asked for (a rank that ended well)
+                            self._exited.pop(next(iter(self._exited)))
                         self._born.pop(reply[1], None)
                         self._live.discard(reply[1])
                     self._cond.notify_all()
