@@ -74,6 +74,13 @@ class Presses:
             return not repeat
         return time.monotonic() >= self.quiet_until
 
+    def new_cell(self) -> None:
+        """A cell starts (IPython's pre_execute): a press from now on is its own, never a repeat of
+        the one that stopped the cell before. (A press 0.46 s after a stop, in the next cell, was
+        dropped: a restart loop went on, CI's every run.)"""
+        if not self.calls:
+            self.quiet_until = 0.0
+
     @contextlib.contextmanager
     def during_call(self) -> Iterator[None]:
         """A call runs on the main thread meanwhile (elsewhere: nothing to do)."""
@@ -130,6 +137,20 @@ def install() -> None:
     if saved is not None and not isinstance(saved, _ChainedHandler):
         # The handler the kernel puts back when this cell ends (SIG_IGN: idle).
         kernel.saved_sigint_handler = _ChainedHandler(saved)  # type: ignore[union-attr]
+    _presses_per_cell()
+
+
+_cells_told: list[Any] = []  # the IPython shell that tells presses each new cell
+
+
+def _presses_per_cell() -> None:
+    """In an IPython shell, each cell starts with no quiet window (Presses.new_cell)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if shell is None or any(told is shell for told in _cells_told):
+        return
+    shell.events.register("pre_execute", presses.new_cell)
+    _cells_told.append(shell)
 
 
 def process_ignores_sigint() -> bool:
