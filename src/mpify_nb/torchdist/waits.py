@@ -225,14 +225,17 @@ def snapshot(rank: int, thread_id: int, native_id: Optional[int] = None, stack: 
         if hidden is not None:
             label, any_peer = hidden, True  # its collective, and so its peers, unknown
     _add_pending(ops)
+    # What it does, then where: a blocked thread stays on its line, so the line read after agrees
+    # with it (read before, a thread that went on into sleep() was said to sleep on the line before).
+    state = None if blocked is not None or label else _doing(frame, native_id)
     frames = _stack(frame) if stack else ()
     where = called_at or (user_line_in(frames) if stack else user_line(frame))
-    if blocked is not None or label:
+    if state is None:
         doing = "waiting"
     elif where is None and frame is not None and _in_our_loop(frame):
         doing = "idle"
     else:
-        doing = _doing(frame, native_id)
+        doing = state
     return Snapshot(rank, tuple(ops), blocked, label, any_peer, where, doing, frames, checks=checks, p2p=p2p.counts())
 
 
