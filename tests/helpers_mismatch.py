@@ -261,3 +261,19 @@ def p2p_counted():
         dist.recv(t, src=0)
         dist.irecv(t, 0).wait()
     return sorted(p2p.counts())
+
+
+def peers_named_in_a_subgroup():
+    """Ranks 1 and 2 of three form a group: a call's ``group_src``/``group_dst`` in it, as the global
+    rank a look names (rank 0, outside the group, answers None)."""
+    import torch.distributed as dist
+
+    from mpify_nb.torchdist import p2p
+
+    group = dist.new_group([1, 2])  # every rank makes it, members or not
+    if _rank() == 0:
+        return None
+    return [p2p.global_rank_of(None, 1, group), p2p.global_rank_of(None, 0, group),
+            p2p.global_rank_of(None, 2, group), p2p.global_rank_of(0, 1, group),
+            p2p.global_rank_of(None, 1, None), p2p.global_rank_of(None, None, group),
+            p2p.global_rank_of(True, None, None)]

@@ -40,6 +40,7 @@ class Cell:
     ename: str = ""
     traceback: str = ""
     stdin_at: list[float] = field(default_factory=list)  # when each input_request arrived
+    displays: dict[str, list[str]] = field(default_factory=dict)  # display_id -> its texts, shown and updated
 
 
 # An answerer: the list of lines to type, in order, or a function of the prompt (None: interrupt).
@@ -84,6 +85,9 @@ class Frontend(KernelFrontend):
                 if msg["parent_header"].get("msg_id") != msg_id:
                     continue
                 idle = take_output(cell, msg["msg_type"], msg["content"]) or idle
+                display_id = msg["content"].get("transient", {}).get("display_id")
+                if msg["msg_type"] in ("display_data", "update_display_data") and display_id:
+                    cell.displays.setdefault(display_id, []).append(msg["content"]["data"].get("text/plain", ""))
             if reply is None:
                 try:
                     msg = self.kc.shell_channel.get_msg(timeout=0.005)
@@ -126,6 +130,19 @@ def test_breakpoint_on_rank_1_steps_and_prints_what_the_user_asks(nb):
         rf"\[rank 1\] > {cell_file}\(5\)<module>\(\)\n\[rank 1\] -> bp_z = bp_y \* 2\n\[rank 1\] 43\n",
         cell.stdout), cell.stdout
     assert cell.results == ["[rank 0] 41\n[rank 1] 42"]
+
+
+def test_a_prompt_shown_before_its_read_is_still_the_whole_prompt(nb):
+    """A rank slow between writing its prompt and reading (its ask came after the relay had shown
+    the open line: under load in CI, pdb's prompt was '[rank 1] ' and '(Pdb) ' a line of the
+    cell): the prompt is still the whole open line, taken back from the line that showed it."""
+    cell = nb.run("import time\nslow_name = ''\nif rank == 1:\n    print('name? ', end='', flush=True)\n"
+                  "    time.sleep(1.0)\n    slow_name = input()\nslow_name", ["bob"])
+    assert cell.status == "ok", cell
+    assert cell.prompts == ["[rank 1] name? "]
+    assert list(cell.displays.values()) == [["[rank 1] name? ", ""]]  # shown while it waited, then emptied
+    assert cell.results[-1] == "[rank 0] ''\n[rank 1] 'bob'"
+    assert "name? " not in cell.stdout
 
 
 def test_input_on_every_rank_asks_each_in_turn(nb):

@@ -100,15 +100,19 @@ def _check(name: str, cells, expected: list[dict]) -> None:
     assert _parse(cells[6], "HELD")[1] is True, nbutil.all_text(cells[6])
 
 
+# notebook_launcher's agent listens on use_port (29500 by default): a free one, since 29500, the default
+# of every torchrun, may be taken on a shared machine (CI once: EADDRINUSE in accelerate's rendezvous).
 NOTEBOOK_LAUNCHER = (
-    "import tempfile\n"
+    "import socket, tempfile\n"
     "from accelerate import notebook_launcher\n"
+    "with socket.socket() as s:\n"
+    "    s.bind(('127.0.0.1', 0)); free_port = s.getsockname()[1]\n"
     "def nl_probe(where):\n"
     "    from accelerate import Accelerator\n"
     "    a = Accelerator(cpu=True)\n"
     "    open(os.path.join(where, f'{a.process_index}-of-{a.num_processes}'), 'w').close()\n"
     "with tempfile.TemporaryDirectory() as where:\n"
-    "    notebook_launcher(nl_probe, args=(where,), num_processes=2)\n"
+    "    notebook_launcher(nl_probe, args=(where,), num_processes=2, use_port=str(free_port))\n"
     "    print('NL', json.dumps(sorted(os.listdir(where))))\n"
 )
 

@@ -615,6 +615,13 @@ def test_sends_and_recvs_are_counted_once_each_blocking_or_not():
     assert ranch(2, hm.p2p_counted, ctx=in_torchddp()) == [[("send", 1, 3)], [("recv", 0, 3)]]
 
 
+def test_a_group_rank_is_named_by_its_global_rank():
+    """``group_src=1`` of the group of ranks [1, 2] is rank 2 (a rank outside it, or no rank said: None;
+    a ``src`` given is global already, a bool is no rank)."""
+    expected = [2, 1, None, 0, 1, None, None]
+    assert ranch(3, hm.peers_named_in_a_subgroup, ctx=in_torchddp()) == [None, expected, expected]
+
+
 def _spin(stop: threading.Event) -> None:
     # It lets the interpreter go at two lines: a look may find it at either.
     while not stop.is_set():

@@ -335,11 +335,19 @@ class RankOutput:
         self._streams.new_call()  # the next call's output starts on lines of its own
 
     def _take_partial(self, fd: int, where: tuple[int, int]) -> str:
-        """The part of ``fd``'s open line not shown yet, taken (input()'s prompt)."""
+        """``fd``'s open line, taken (input()'s prompt). In Jupyter that is all of it: a part shown
+        already (a rank slow between its prompt and its read: its ASK came after _PARTIAL_WAIT) is
+        taken back from its live display line, which is emptied; the prompt shows it instead, as
+        it does when the ASK comes in time. Elsewhere the part written to the stream stays there."""
         buf = self._pending.get(fd, b"")
         taken = whole_characters(buf)
         self._pending[fd] = buf[len(taken):]
         self._partial_since.pop(fd, None)
         self._streams.close_line(fd, 0)  # what the rank writes after the answer starts a new line
-        self._end_growing(fd, where)
-        return taken.decode("utf-8", errors="replace")
+        prompt = taken.decode("utf-8", errors="replace")
+        line = self._growing.pop(fd, None)
+        if line is not None and self._display is not None:
+            prompt = line.text + prompt
+            if line.handle is not None and line.shown:
+                line.draw(self._display, {"text/plain": ""}, lambda: None)
+        return prompt

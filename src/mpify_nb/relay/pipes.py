@@ -330,8 +330,8 @@ class OutputRelay(RankOutput):
 
     def take_prompt(self, rank: int) -> str:
         """The text ``rank`` left on an open stdout line before it read its stdin (input()'s
-        prompt, pdb's ``(Pdb) ``): what its pipe holds now is read, and the line's part not
-        shown yet is taken, for the frontend's prompt to show instead of the cell."""
+        prompt, pdb's ``(Pdb) ``): what its pipe holds now is read, and the open line is taken
+        (RankOutput._take_partial), for the frontend's prompt to show instead of the cell."""
         with self._lock:
             fd = next((f for f, where in self._where.items() if where == (rank, 0)), None)
             if fd is None or fd in self._bars:

@@ -101,21 +101,27 @@ def _noting(original: Callable, kind: str, returns_work: bool) -> Callable:
 
 
 def _peer(kind: str, args: tuple, kwargs: dict) -> Optional[int]:
-    """The global rank a send goes to (a recv comes from), from the call's arguments: ``dst``/
-    ``src``, or ``group_dst``/``group_src`` of ``group``; None: any (a recv), or not said."""
+    """The global rank a send goes to (a recv comes from), from the call's arguments."""
     name = "dst" if kind == "send" else "src"
-    peer = args[0] if args else kwargs.get(name)
-    if peer is None and kwargs.get(f"group_{name}") is not None:
-        group = args[1] if len(args) > 1 else kwargs.get("group")
-        peer = kwargs[f"group_{name}"]
-        if group is not None:
-            try:
-                import torch.distributed as dist
+    return global_rank_of(args[0] if args else kwargs.get(name), kwargs.get(f"group_{name}"),
+                          args[1] if len(args) > 1 else kwargs.get("group"))
 
-                peer = dist.get_global_rank(group, peer)
-            except Exception:
-                return None
-    return peer if isinstance(peer, int) and not isinstance(peer, bool) else None
+
+def global_rank_of(global_rank: Any, group_rank: Any, group: Any) -> Optional[int]:
+    """A call's peer or root as a global rank: its ``dst``/``src`` (``global_rank``), else its
+    ``group_dst``/``group_src`` in ``group`` (None: the default group); None: any (a recv), or not said."""
+    if isinstance(global_rank, int) and not isinstance(global_rank, bool):
+        return global_rank
+    if not isinstance(group_rank, int) or isinstance(group_rank, bool):
+        return None
+    if group is None:
+        return group_rank
+    try:
+        import torch.distributed as dist
+
+        return dist.get_global_rank(group, group_rank)
+    except Exception:
+        return None  # not a rank of that group
 
 
 def counts() -> tuple[tuple[str, Optional[int], int], ...]:

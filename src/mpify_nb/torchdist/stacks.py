@@ -128,7 +128,7 @@ def _c10d_call(frame: Any) -> tuple[Optional[Op], str, bool]:
     root = None
     if name in ROOTED:
         which = ROOTED[name]
-        root = _global_rank(local.get(which), local.get(f"group_{which}"), ranks)
+        root = p2p.global_rank_of(local.get(which), local.get(f"group_{which}"), group)
     return Op(name, group_name, ranks, root=root), label, False
 
 
@@ -136,8 +136,8 @@ def _p2p_op(name: str, local: dict) -> tuple[Op, bool]:
     """A send's or recv's op from its arguments (``local``: by name), and whether its peer is unknown."""
     group = local.get("group")
     ranks = _group_ranks(group)
-    peer = _global_rank(local.get("dst" if name == "send" else "src"),
-                        local.get("group_dst" if name == "send" else "group_src"), ranks)
+    peer = p2p.global_rank_of(local.get("dst" if name == "send" else "src"),
+                              local.get("group_dst" if name == "send" else "group_src"), group)
     tensor = local.get("tensor")
     shape = getattr(tensor, "shape", None)
     tensors = ((_dtype_name(tensor), tuple(shape)),) if shape is not None else ()
@@ -148,16 +148,6 @@ def _p2p_op(name: str, local: dict) -> tuple[Op, bool]:
     op = Op(name, _group_name(group), ranks, None, tensors if name == "send" else (),
             tensors if name == "recv" else (), peer, tag, nth=nth or None)
     return op, peer is None
-
-
-def _global_rank(global_rank: Any, group_rank: Any, ranks: Optional[tuple[int, ...]]) -> Optional[int]:
-    if isinstance(global_rank, int) and not isinstance(global_rank, bool):
-        return global_rank
-    if isinstance(group_rank, int) and not isinstance(group_rank, bool):
-        if ranks is None:
-            return group_rank
-        return ranks[group_rank] if 0 <= group_rank < len(ranks) else None
-    return None
 
 
 def _dtype_name(tensor: Any) -> str:
@@ -271,25 +261,14 @@ def _is_user_file(filename: str) -> bool:
 
 
 def user_line_in(frames: tuple[tuple[str, int, str], ...]) -> Optional[tuple[str, int]]:
-    """:func:`user_line`'s answer from a stack :func:`_stack` took: the line the stack shows (the
-    thread goes on meanwhile: two reads of its frame could name two lines)."""
+    """(file, line) of the innermost frame of a stack :func:`_stack` took that is the user's own code
+    (a cell, a module of theirs), not torch's, the standard library's or ours; None once our own code
+    is reached first (what calls it, a rank's loop, a template's ``python -c``, is not the user's).
+    Read from the stack, never from the live frame again: the thread goes on meanwhile, and two reads
+    of its frame could name two lines."""
     for filename, lineno, _function in reversed(frames):
         if _ours(filename):
             return None
         if _is_user_file(filename):
             return filename, lineno
-    return None
-
-
-def user_line(frame: Any) -> Optional[tuple[str, int]]:
-    """(file, line) of the innermost frame from ``frame`` out that is the user's own code (a
-    cell, a module of theirs), not torch's, the standard library's or ours; None once our own
-    code is reached first (what calls it, a rank's loop, a template's ``python -c``, is not the user's)."""
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if _ours(filename):
-            return None
-        if _is_user_file(filename):
-            return filename, frame.f_lineno
-        frame = frame.f_back
     return None

@@ -35,7 +35,7 @@ from typing import Any, Optional
 from . import compat, hidden_waits, p2p
 from .checks import groups as checked_groups
 from .recorder import Op, entries_to_ops, issued, with_root
-from .stacks import _doing, _in_our_loop, _is_user_file, _stack, blocked_call, user_line, user_line_in
+from .stacks import _doing, _in_our_loop, _is_user_file, _stack, blocked_call, user_line_in
 
 #: Entries the recorder keeps (a ring). Only the newest matter: an unfinished collective is
 #: one of the last few issued, and a small ring keeps a dump cheap (32 entries: ~0.3 ms; torch's
@@ -228,15 +228,16 @@ def snapshot(rank: int, thread_id: int, native_id: Optional[int] = None, stack: 
     # What it does, then where: a blocked thread stays on its line, so the line read after agrees
     # with it (read before, a thread that went on into sleep() was said to sleep on the line before).
     state = None if blocked is not None or label else _doing(frame, native_id)
-    frames = _stack(frame) if stack else ()
-    where = called_at or (user_line_in(frames) if stack else user_line(frame))
+    frames = _stack(frame)
+    where = called_at or user_line_in(frames)
     if state is None:
         doing = "waiting"
     elif where is None and frame is not None and _in_our_loop(frame):
         doing = "idle"
     else:
         doing = state
-    return Snapshot(rank, tuple(ops), blocked, label, any_peer, where, doing, frames, checks=checks, p2p=p2p.counts())
+    return Snapshot(rank, tuple(ops), blocked, label, any_peer, where, doing, frames if stack else (),
+                    checks=checks, p2p=p2p.counts())
 
 
 def _check_counts(ops: list[Op]) -> tuple[tuple[str, int, int, int], ...]:
