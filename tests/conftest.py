@@ -121,6 +121,22 @@ def pytest_configure(config: pytest.Config) -> None:
     from mpify_nb.wire import modules
 
     modules.set_rank_imports(False)
+    if sys.dont_write_bytecode and not hasattr(config, "workerinput"):  # once, in the controller
+        _compile_once()
+
+
+def _compile_once() -> None:
+    """Where PYTHONDONTWRITEBYTECODE is set (this machine, many containers), no process caches what it
+    compiles: pip compiled site-packages at install, but not the package's source (an editable install)
+    nor the tests' helpers, so each of the suite's processes that imports them (every kernel, template,
+    script, the floor's too) compiled them again (~0.1 CPU-s a kernel, on a CPU-bound CI). Compiled
+    once here, before any test runs; the files do not change during a run, and nothing writes any
+    later (the variable stays set: a test's own modules are compiled as the user's would be)."""
+    import compileall
+
+    root = Path(__file__).resolve().parent.parent
+    for folder in (root / "src", root / "tests"):
+        compileall.compile_dir(str(folder), quiet=2)
 
 
 @pytest.hookimpl(tryfirst=True)
