@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -77,6 +78,39 @@ def new_notebook(cells: list[str]) -> NotebookNode:
     return nb
 
 
+class _StackTellingClient(NotebookClient):
+    """A client that, when a cell times out, takes the Python stacks of every process of its
+    kernel (the kernel, the template, the ranks, their children) before the kernel is shut
+    down: a hang seen once in CI then says where each process waited."""
+
+    def __init__(self, nb: NotebookNode, marker: str, **kw: Any) -> None:
+        super().__init__(nb, **kw)
+        self.marker = marker
+        self.stacks = ""
+
+    async def _async_handle_timeout(self, timeout: int, cell: Optional[NotebookNode] = None) -> Any:
+        self.stacks = process_stacks(self.marker)
+        return await super()._async_handle_timeout(timeout, cell)
+
+
+def process_stacks(marker: str, each_timeout: float = 20.0) -> str:
+    """The Python stacks (``py-spy dump``, every thread) of the live processes tagged ``marker``,
+    as one text; a line saying why when py-spy is not installed or cannot attach."""
+    py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+    if py_spy is None:
+        return "(no process stacks: py-spy is not installed)"
+    parts = []
+    for pid in leftover_processes(marker):
+        try:
+            done = subprocess.run([py_spy, "dump", "--pid", str(pid)], capture_output=True, text=True,
+                                  timeout=each_timeout)
+            stacks = done.stdout.strip() or done.stderr.strip()
+        except (OSError, subprocess.TimeoutExpired) as error:
+            stacks = f"py-spy failed: {error}"
+        parts.append(f"---- process {pid}: {_cmdline(pid)}\n{stacks}")
+    return "stacks of the kernel's processes at the timeout:\n" + "\n".join(parts)
+
+
 def execute_notebook(
     nb: NotebookNode,
     timeout: float = 120,
@@ -94,8 +128,9 @@ def execute_notebook(
     kernel_env = dict(os.environ if env is None else env)
     kernel_env[MARKER_VAR] = marker
     kernel_env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")  # quiets a debugger warning on stderr
-    client = NotebookClient(
+    client = _StackTellingClient(
         nb,
+        marker=marker,
         timeout=timeout,
         allow_errors=allow_errors,
         kernel_name=KERNEL_NAME,
@@ -106,7 +141,9 @@ def execute_notebook(
     try:
         # The client owns its kernel manager, so execute() shuts the kernel down on the way out.
         client.execute(env=kernel_env)
-    except BaseException:
+    except BaseException as error:
+        if client.stacks and hasattr(error, "add_note"):
+            error.add_note(client.stacks)
         kill_leftovers(marker)  # the cell's error is the news; don't let a leak hide it
         raise
     assert_no_leftovers(marker)
