@@ -21,11 +21,11 @@ NO_HANG = 300
 SRC = str(Path(__file__).resolve().parent.parent / "src")
 
 
-def run_script(source: str, **env: str) -> dict:
+def run_script(source: str, timeout: float = NO_HANG, **env: str) -> dict:
     environ = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
     environ.pop("MPIFY_NB_CHILD", None)
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(source)], env=environ, capture_output=True,
-                          text=True, timeout=NO_HANG)
+                          text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -130,6 +130,37 @@ def test_a_fork_or_an_import_during_the_warmup_waits_for_its_end(tmp_path):
     """, MPIFY_NB_PREWARM="0")
     assert found == {"child_saw_it_whole": True, "fork_after_end": True, "import_after_end": True,
                      "outcome": "imported"}
+
+
+def test_a_fork_during_the_warmup_of_a_module_that_logs_and_prints_does_not_deadlock(tmp_path):
+    """``os.fork`` runs its ``before`` handlers, then takes the import lock: logging's handler took
+    its lock, the relay's the streams, and the import the warm-up held the import lock for then
+    waited for them (``logging.getLogger`` in a module of torch._dynamo). Before: the notebook hung
+    for good (CI: a DataLoader with workers in the first calls after ``import torch``)."""
+    (tmp_path / "logging_module.py").write_text(
+        "import logging, sys, time\nSTARTED = time.monotonic()\ntime.sleep(1.0)\n"
+        "log = logging.getLogger('logging_module.inner')\nprint('imported', file=sys.stderr)\n"
+        "ENDED = time.monotonic()\n")
+    found = run_script(f"""
+        import json, os, sys, time
+        sys.path.insert(0, {str(tmp_path)!r})
+        import mpify_nb
+        from mpify_nb.torchdist import warmup
+        os.environ["MPIFY_NB_PREWARM"] = "1"
+        warmup.start(modules=["logging_module"], need_torch=False)
+        while "logging_module" not in sys.modules:
+            time.sleep(0.001)  # it is inside the import now, before its getLogger
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if hasattr(sys.modules["logging_module"], "ENDED") else 1)
+        forked = time.monotonic()
+        child = os.waitpid(pid, 0)[1]
+        warmup.wait(60)
+        print(json.dumps({{"child_saw_it_whole": os.waitstatus_to_exitcode(child) == 0,
+                          "fork_after_end": forked >= sys.modules["logging_module"].ENDED,
+                          "outcome": warmup.outcome}}))
+    """, timeout=60, MPIFY_NB_PREWARM="0")
+    assert found == {"child_saw_it_whole": True, "fork_after_end": True, "outcome": "imported"}
 
 
 def test_what_another_thread_imported_while_the_warmup_waited_is_the_notebooks(tmp_path):

@@ -27,8 +27,9 @@ Safe where it runs:
 * it holds the interpreter's import lock for its whole import, taken only while no other thread
   is inside one: no import of another thread interleaves with it (two threads importing one
   import cycle at once can hand one of them a half-made module), a new import elsewhere waits
-  for its end (once, seconds), and so does a fork (``os.fork`` takes that lock), so a DataLoader
-  worker forked in the notebook never copies a half-made module;
+  for its end (once, seconds), and so does a fork, at its first step (a fork handler of ours, run
+  before logging's and the relay's take locks the import needs): a DataLoader worker forked in
+  the notebook never copies a half-made module, and never deadlocks the notebook;
 * it creates no CUDA context (``torch.cuda.is_initialized()`` stays False): importing
   ``torch._dynamo`` asks at most ``torch.cuda.is_available()``, which makes none; the step runs
   only where torch is built for the CPU alone (on a CUDA build autograd's first backward asks the
@@ -152,12 +153,15 @@ def alone(work: Callable[[], object], patience: float = 600.0) -> list[str]:
         before = set(sys.modules)
         work()
         return [n for n in list(sys.modules) if n not in before]
+    _gate_forks()
     deadline = time.monotonic() + patience
     while True:
+        _fork_gate.acquire()
         _imp.acquire_lock()
         if not _another_thread_imports():
             break
         _imp.release_lock()
+        _fork_gate.release()
         if time.monotonic() > deadline:
             raise TimeoutError(f"other threads kept importing for {patience:.0f} s")
         time.sleep(0.05)
@@ -167,6 +171,7 @@ def alone(work: Callable[[], object], patience: float = 600.0) -> list[str]:
         return [n for n in list(sys.modules) if n not in before]
     finally:
         _imp.release_lock()
+        _fork_gate.release()
 
 
 def _cpu_only_torch() -> bool:
@@ -202,3 +207,40 @@ def _another_thread_imports() -> bool:
                 return True
             frame = frame.f_back
     return False
+
+
+# A fork waits for the work of ``alone`` to end: ``os.fork`` takes the import lock, but only after
+# every ``before`` fork handler has run, and those take locks the work needs. logging's takes its
+# module lock (``logging.getLogger`` in every module torch._dynamo imports), the relay's the cell's
+# streams (relay/pipes.py): a fork in the middle of the work held them while it waited for the import
+# lock, and the work waited for them: the notebook hung for good (a DataLoader with workers, in the
+# first cell after ``import torch``). Handlers run in the reverse of their registration, so this one,
+# registered at the first ``alone`` (after theirs), runs first: it waits for the work to end and keeps
+# new work from starting until the child exists; theirs then take locks nobody inside an import holds.
+_fork_gate = threading.RLock()  # re-entrant: a fork from inside the work itself passes
+_fork_gate_registered = False
+
+
+def _gate_forks() -> None:
+    global _fork_gate_registered
+    with _lock:
+        if _fork_gate_registered:
+            return
+        _fork_gate_registered = True
+        import logging  # noqa: F401  (its handler must be registered before ours, so it runs after)
+
+        os.register_at_fork(before=_close_fork_gate, after_in_parent=_open_fork_gate,
+                            after_in_child=_new_fork_gate)
+
+
+def _close_fork_gate() -> None:
+    _fork_gate.acquire()
+
+
+def _open_fork_gate() -> None:
+    _fork_gate.release()
+
+
+def _new_fork_gate() -> None:
+    global _fork_gate
+    _fork_gate = threading.RLock()  # the child has no warm-up thread: nothing to wait for
