@@ -214,23 +214,18 @@ def _another_thread_imports() -> bool:
 # module lock (``logging.getLogger`` in every module torch._dynamo imports), the relay's the cell's
 # streams (relay/pipes.py): a fork in the middle of the work held them while it waited for the import
 # lock, and the work waited for them: the notebook hung for good (a DataLoader with workers, in the
-# first cell after ``import torch``). Handlers run in the reverse of their registration, so this one,
-# registered at the first ``alone`` (after theirs), runs first: it waits for the work to end and keeps
-# new work from starting until the child exists; theirs then take locks nobody inside an import holds.
+# first cell after ``import torch``). Handlers run in the reverse of their registration, so ours is
+# registered at each ``alone`` (a few per process), after every handler there is by then: it runs
+# first, waits for the work to end and keeps new work from starting until the child exists; the
+# others then take locks nobody inside an import holds. (Its earlier registrations just take the
+# re-entrant gate again.)
 _fork_gate = threading.RLock()  # re-entrant: a fork from inside the work itself passes
-_fork_gate_registered = False
 
 
 def _gate_forks() -> None:
-    global _fork_gate_registered
-    with _lock:
-        if _fork_gate_registered:
-            return
-        _fork_gate_registered = True
-        import logging  # noqa: F401  (its handler must be registered before ours, so it runs after)
+    import logging  # noqa: F401  (its handler must be registered before ours, so it runs after)
 
-        os.register_at_fork(before=_close_fork_gate, after_in_parent=_open_fork_gate,
-                            after_in_child=_new_fork_gate)
+    os.register_at_fork(before=_close_fork_gate, after_in_parent=_open_fork_gate, after_in_child=_new_fork_gate)
 
 
 def _close_fork_gate() -> None:
