@@ -61,6 +61,23 @@ def test_in_a_kernel_the_first_ddp_call_imports_nothing_and_no_rank_imports_the_
                                                          "ranks_hold": [False, False]}
 
 
+def test_the_warmup_works_only_while_no_cell_runs(notebook):
+    """Cells run one after another (Run All, or a cell that runs long) leave it nothing to do: it never
+    competes with a running cell for the CPU, the import lock or a fork. Before, it imported while the
+    next cells ran (in CI, in nearly every short-lived test kernel). A cell that waits for it lets it go."""
+    import nbutil
+
+    cells = notebook([
+        "import sys, time, torch\nimport mpify_nb\n"
+        "from mpify_nb.torchdist import warmup\nfrom mpify_nb.start import template",
+        "print(template.wait_started(240))\ntime.sleep(3)  # the template is ready: only this cell holds it back\n"
+        "print(repr(warmup.outcome), 'torch._dynamo' in sys.modules)",
+        "print(warmup.wait(240), warmup.outcome, 'torch._dynamo' in sys.modules)",
+    ], timeout=300)
+    assert nbutil.stream_text(cells[1]) == "True\n'' False\n"
+    assert nbutil.stream_text(cells[2]) == "True imported True\n"
+
+
 def test_a_script_warms_nothing_up():
     """A script has no idle time between its calls: a warm-up would make them wait for its imports."""
     found = run_script("""

@@ -139,8 +139,8 @@ def _after_warmup(names: list) -> None:
 
 def _warm_when_idle() -> None:
     """In an IPython shell (a Jupyter kernel): once the cell that imported us has finished, while
-    the user writes the next one, import what this process's first DDP needs. Not in a script: it
-    has no idle time, and its calls would wait for the warm-up's imports."""
+    the user writes the next one (no cell runs), import what this process's first DDP needs. Not in
+    a script: it has no idle time, and its calls would wait for the warm-up's imports."""
     ipython = sys.modules.get("IPython")
     shell = ipython.get_ipython() if ipython is not None else None
     if shell is None:
@@ -150,6 +150,8 @@ def _warm_when_idle() -> None:
         shell.events.unregister("post_run_cell", once)
         _warmup.start(after=_wait_started)
 
+    shell.events.register("pre_run_cell", _warmup.cell_started)
+    shell.events.register("post_run_cell", _warmup.cell_ended)
     shell.events.register("post_run_cell", once)
 
 

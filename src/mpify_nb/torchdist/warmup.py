@@ -4,12 +4,14 @@ imports the first time in a process, imported ahead of it, in the background, be
 The first ``DistributedDataParallel(model)`` of a process reads ``torch._dynamo`` (to ask how to
 optimize DDP), and importing it costs 1.5-5 s and ~70 MB (sympy, the compiler stack); the
 later ones cost milliseconds. When the notebook plays rank 0, its first DDP call pays it. So in a
-kernel, once the cell that imported mpify_nb has finished (the user writes the next one), and only
-where the notebook imported torch (a notebook that only drives ranks keeps its memory), a daemon
-thread imports it, and asks the template to hold it too (a spawned rank's first DDP is as warm)::
+kernel, while no cell runs (the user writes the next one), and only where the notebook imported
+torch (a notebook that only drives ranks keeps its memory), a daemon thread imports it, and asks
+the template to hold it too (a spawned rank's first DDP is as warm)::
 
     import mpify_nb (in a kernel) ── post_run_cell, once ──> start(after=the template started)
-        thread: wait for the template; torch imported here? take the import lock while no
+        pre_run_cell / post_run_cell, each cell ──> cell_started() / cell_ended()
+        thread: wait for the template; torch imported here? before each piece of work, wait until
+        no cell has run for IDLE_BEFORE_WORK (a cell that calls wait() lets it go on); take the import lock while no
         other thread is inside an import; import torch._dynamo; release; a first training step
         of a private model, the lock held the same way (a CPU-only torch); then the hooks
         (mpify_nb/__init__.py: the template grows it, the ranks' preamble leaves it out)
@@ -20,7 +22,10 @@ the dynamo-disabled wrappers it goes through): the first DDP call's own steps pa
 What only the calling thread can pay (its OpenMP team, its thread-local state), the first call
 still does: ~1.1-1.3x its later ones on 2 CPU cores.
 
-A script has no time between its calls: nothing is warmed there (a call would wait for it).
+A script has no time between its calls: nothing is warmed there (a call would wait for it). Nor
+do cells run one after another (Run All) wait for it: it never competes with a running cell for the
+CPU, the import lock or a fork; the first DDP of such a run imports what it needs itself, as it
+would without the warm-up. Work under way (one import, seconds) is not stopped by a cell that starts.
 
 Safe where it runs:
 
@@ -100,8 +105,54 @@ def when_imported(hook: Callable[[list[str]], None]) -> None:
 
 
 def wait(timeout: Optional[float] = None) -> bool:
-    """Wait until the warm-up has ended (done, skipped or failed); True if it has."""
-    return _done.wait(timeout)
+    """Wait until the warm-up has ended (done, skipped or failed); True if it has. A cell waiting
+    here lets it work though the cell runs."""
+    global _waiters
+    with _cells:
+        _waiters += 1
+        _cells.notify_all()
+    try:
+        return _done.wait(timeout)
+    finally:
+        with _cells:
+            _waiters -= 1
+
+
+#: How long no cell must have run before the warm-up takes its next piece of work (a module's
+#: import, the first step): cells run one after another (Run All) leave milliseconds between them.
+IDLE_BEFORE_WORK = 1.0
+_cells = threading.Condition()
+_cells_running = 0
+_idle_since = time.monotonic()
+_waiters = 0  # threads in wait(): the warm-up goes on while they wait, cell or not
+
+
+def cell_started(*_info: object) -> None:
+    """A cell starts (IPython's ``pre_run_cell``): no new work until it has ended."""
+    global _cells_running
+    with _cells:
+        _cells_running += 1
+
+
+def cell_ended(*_result: object) -> None:
+    """A cell ended (``post_run_cell``; IPython sends one for an empty cell too, without its start)."""
+    global _cells_running, _idle_since
+    with _cells:
+        _cells_running = max(0, _cells_running - 1)
+        _idle_since = time.monotonic()
+        _cells.notify_all()
+
+
+def _wait_until_idle() -> None:
+    with _cells:
+        while not _waiters:
+            if _cells_running:
+                _cells.wait()
+                continue
+            left = _idle_since + IDLE_BEFORE_WORK - time.monotonic()
+            if left <= 0:
+                return
+            _cells.wait(left)
 
 
 def _run(after: Optional[Callable[[], object]], modules: tuple[str, ...], need_torch: bool, step: bool) -> None:
@@ -117,15 +168,18 @@ def _run(after: Optional[Callable[[], object]], modules: tuple[str, ...], need_t
         else:
             added: list[str] = []
             for name in missing:
+                _wait_until_idle()
                 try:
                     added += import_alone(name)
                 except ModuleNotFoundError:
                     continue  # not in this torch: its first DDP does not import it either
             if step and "torch" in sys.modules and _cpu_only_torch():
+                _wait_until_idle()
                 try:
                     added += alone(_first_step)
                 except Exception:
                     pass  # only its speed-up is lost: the imports stand
+            _wait_until_idle()  # the hooks make the template import it too: a fork there waits for it
             for hook in list(_hooks):
                 hook(added)
             outcome = "imported"
