@@ -32,7 +32,6 @@ from ..torchdist.recorder import ROOTED, Op, numel, op_text, p2p_apart, pairs, s
 from ..torchdist.waits import Snapshot
 from ..wire.errors import source_location
 
-
 #: How long after a peer left (its last look: its return's) a wait that names no collective (see
 #: ``_waits``) must still be seen before the peer is judged absent from it.
 OPLESS_PATIENCE_NS = 1_000_000_000
