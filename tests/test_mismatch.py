@@ -238,20 +238,6 @@ def test_nccl_ranks_that_are_merely_slow_are_no_verdict():
     assert found.what == "rank 1 returned from fn without joining all_reduce #5, which rank 0 waits in"
 
 
-def test_a_wait_that_names_no_collective_is_absent_only_once_it_outlasts_the_peers_return():
-    """A wait seen by its frame alone (torch < 2.8's gloo has no recorder; DTensor's full_tensor is a
-    functional collective) does not say which collective it is: a peer that returned may have made
-    its part (rank 0 returns from an all_gather a moment before rank 1 wakes). Before: rank 1 seen
-    still in DTensor.full_tensor 50 ms after rank 0 returned was "left waiting ..., which rank 0
-    never joined" (CI, the floor under load). Past OPLESS_PATIENCE_NS it is that verdict."""
-    returned = waits.Snapshot(0, (), doing="running", taken_ns=10**12)
-    for later, verdict in ((50_000_000, None), (verdicts.OPLESS_PATIENCE_NS, "absent")):
-        waiting = waits.Snapshot(1, (), label="DTensor.full_tensor", doing="waiting", taken_ns=10**12 + later)
-        found = verdicts.judge({0: returned, 1: waiting}, 2, {0: "returned from fn"})
-        assert (found.kind if found else None) == verdict, (later, found)
-    assert found is not None and found.waiting == [1] and found.missing == [0]
-
-
 @pytest.mark.parametrize("scenario", _recorded("nccl") or
                          [pytest.param("none", marks=pytest.mark.skip(
                              reason="no NCCL dumps recorded yet: run tests/scripts/record_flight_recorder.py "

@@ -32,10 +32,6 @@ from ..torchdist.recorder import ROOTED, Op, numel, op_text, p2p_apart, pairs, s
 from ..torchdist.waits import Snapshot
 from ..wire.errors import source_location
 
-#: How long after a peer left (its last look: its return's) a wait that names no collective (see
-#: ``_waits``) must still be seen before the peer is judged absent from it.
-OPLESS_PATIENCE_NS = 1_000_000_000
-
 
 @dataclass
 class Verdict:
@@ -206,12 +202,6 @@ def _absent(snaps: dict[int, Snapshot], running: dict[int, Snapshot], world: int
                 continue
             if op is not None and op.seq is not None and op.group is not None:
                 gone = [a for a in gone if a not in snaps or snaps[a].issued.get(op.group, 0) < op.seq]
-            if op is None:
-                # Seen by its frame alone (no recorder: gloo before torch 2.8, a functional collective):
-                # which collective is unknown, and a peer that left may have made its part of it (rank 0
-                # returns from an all_gather a moment before rank 1 wakes from it; CI, under load: a false
-                # "rank 0 never joined"). So only a wait seen OPLESS_PATIENCE_NS after the peer's last look.
-                gone = [a for a in gone if a not in snaps or s.taken_ns - snaps[a].taken_ns >= OPLESS_PATIENCE_NS]
             if op is not None and op.is_p2p and op.nth is not None:
                 # It left having made its part: a send on its way to this recv (gloo's send returns
                 # once its bytes are out), a recv posted for this send. The transfer is under way.
