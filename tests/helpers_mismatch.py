@@ -151,6 +151,27 @@ def busy_rank_1(seconds: float):
     return x.item()
 
 
+def seen_waiting_unnumbered(seconds: float):
+    """Rank 0 returns at once; rank 1 is seen by the watch's looks for ``seconds`` as gloo before
+    torch 2.8 shows a rank that wakes from a collective: waiting in it, by its frame alone, with
+    no number that tells whether rank 0 made its part (its control thread's snapshot says so)."""
+    if _rank() == 1:
+        from mpify_nb.torchdist import waits
+
+        real = waits.snapshot
+
+        def waiting_unnumbered(rank, *args, **kwargs):
+            seen = real(rank, *args, **kwargs)
+            return waits.Snapshot(rank, (), None, "DTensor.full_tensor", True, seen.where, "waiting")
+
+        waits.snapshot = waiting_unnumbered
+        try:
+            time.sleep(seconds)  # seen_waiting_unnumbered rank 1
+        finally:
+            waits.snapshot = real
+    return _rank()
+
+
 def working_collective():
     import torch
     import torch.distributed as dist

@@ -10,7 +10,9 @@ never about how long they have waited (time only decides when the watch looks)::
                  it got a wrong value.
     absent       a rank waits in a collective of a group one of whose ranks left (returned
                  from fn, idle, finished the cell, raised, died) without issuing it; in a send
-                 or recv whose peer left without making its part (counted per peer).
+                 or recv whose peer left without making its part (counted per peer). A wait
+                 nothing numbers (gloo before torch 2.8, a wait seen by its frame alone) cannot
+                 tell: it counts only peers that left a while before the look (``settled``).
     deadlock     ranks blocked in torch.distributed calls, the same in two looks in a row,
                  none of which any rank can ever match: each receives from the other, each
                  sends, another tag, or each waits for a rank blocked elsewhere.
@@ -24,6 +26,7 @@ never about how long they have waited (time only decides when the watch looks)::
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -48,14 +51,20 @@ class Verdict:
 
 
 def judge(snaps: dict[int, Snapshot], world: int, absent: dict[int, str],
-          previous: Optional[dict[int, Snapshot]] = None) -> Optional[Verdict]:
+          previous: Optional[dict[int, Snapshot]] = None,
+          settled: Optional[Collection[int]] = None) -> Optional[Verdict]:
     """The verdict on the ranks' latest looks (``snaps``; those of ``absent`` ranks are their
     last, a returned rank's included), or None while the call can still finish.
     ``absent``: {rank: why it will issue nothing more ("returned from fn", "idle", ...)}.
-    ``previous``: the looks before, for the deadlock rule (blocked the same in both)."""
+    ``previous``: the looks before, for the deadlock rule (blocked the same in both).
+    ``settled``: the absent ranks that left long enough before these looks that a running rank
+    still waiting cannot be waking from a collective they made their part of (None: all of them).
+    Only a wait nothing numbers needs it: rank 0 returns from an all_reduce a moment before rank 1
+    wakes from it, and where no recorder counts what rank 0 issued, only that moment's end tells."""
     running = {r: s for r, s in snaps.items() if r not in absent}
     return (_mismatch(snaps, running) or _bypassed(snaps, running, world)
-            or _absent(snaps, running, world, absent) or _deadlock(snaps, running, world, absent, previous or {}))
+            or _absent(snaps, running, world, absent, settled)
+            or _deadlock(snaps, running, world, absent, previous or {}))
 
 
 def judge_returned(snaps: dict[int, Snapshot]) -> Optional[Verdict]:
@@ -183,7 +192,7 @@ def _waits(s: Snapshot) -> list[Optional[Op]]:
 
 
 def _absent(snaps: dict[int, Snapshot], running: dict[int, Snapshot], world: int,
-            absent: dict[int, str]) -> Optional[Verdict]:
+            absent: dict[int, str], settled: Optional[Collection[int]]) -> Optional[Verdict]:
     stuck: dict[int, Optional[Op]] = {}
     missing: set[int] = set()
     if not absent:
@@ -206,6 +215,8 @@ def _absent(snaps: dict[int, Snapshot], running: dict[int, Snapshot], world: int
                 # It left having made its part: a send on its way to this recv (gloo's send returns
                 # once its bytes are out), a recv posted for this send. The transfer is under way.
                 gone = [a for a in gone if a not in snaps or not _made_its_part(snaps[a], op, r)]
+            elif settled is not None and not _numbered(op):
+                gone = [a for a in gone if a in settled]
             if gone:
                 stuck[r] = op
                 missing.update(gone)
@@ -227,6 +238,11 @@ def _absent(snaps: dict[int, Snapshot], running: dict[int, Snapshot], world: int
         what = (f"{_rank_list(sorted(missing))} returned from fn without joining {op.kind} #{op.seq}, which "
                 f"{_rank_list(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in{at}")
     return Verdict("absent", waiting, sorted(missing), what=what, label=label)
+
+
+def _numbered(op: Optional[Op]) -> bool:
+    """Does ``op`` carry a count that tells whether a peer that left made its part of it?"""
+    return op is not None and ((op.seq is not None and op.group is not None) or (op.is_p2p and op.nth is not None))
 
 
 def _made_its_part(theirs: Snapshot, op: Op, r: int) -> bool:

@@ -45,6 +45,11 @@ LOOK_SOON = 0.2
 ANSWER_WITHIN = 1.0
 #: The live line appears once a rank has waited this long in a collective.
 LINE_AFTER = 5.0
+#: A rank that left the call counts as absent from a wait nothing numbers (gloo before torch 2.8;
+#: a wait seen by its frame alone) only in looks begun this long after the watch saw it leave: a
+#: peer wakes from the collective a moment after the rank that left returned from it, and on a
+#: loaded machine (CI's floor) that moment outlasted LOOK_LEFT. A real absence is told this late.
+SETTLE = 2.0
 
 
 class Watch:
@@ -77,6 +82,7 @@ class Watch:
         self.wanted_stack = False  # where() asked for a round with stacks
         self.line_shown = False
         self.first_seen: dict[tuple[int, Any], float] = {}  # (rank, op) -> when first seen waiting
+        self.left_at: dict[int, float] = {}  # rank -> when the watch first saw it absent from the call
 
     # -- a call ---------------------------------------------------------------------------------
 
@@ -93,6 +99,7 @@ class Watch:
             self.asked = set()
             self.rounds_done = 0
             self.first_seen = {}
+            self.left_at = {}
             self.next_look = time.monotonic() + LOOK_AFTER
 
     def end(self) -> None:
@@ -188,6 +195,7 @@ class Watch:
         self.with_stack = stack
         self.wanted_stack = False
         self.previous, self.snaps = self.snaps, {}
+        self._note_left(now)
         body = pickle.dumps({"stack": True}) if stack else b""
         asked = set()
         for m in self.members():
@@ -231,7 +239,8 @@ class Watch:
             self.cond.notify_all()
         if not self.active:
             return
-        absent = self.absent()
+        absent = self._note_left(now)
+        settled = {r for r in absent if self.round_started - self.left_at[r] >= SETTLE}
         snaps = dict(self.snaps)
         kept = dict(self.kept)  # the caller's own rank may add to it meanwhile (ranch)
         for rank, snap in kept.items():
@@ -242,7 +251,7 @@ class Watch:
         # A rank that waits for the user (a prompt, a debugger's breakpoint) is no hang: its
         # peers wait for it as the cell does, and no verdict is given until it goes on.
         if self.verdict is None and not self.engine.user_waits.waiting():
-            self.verdict = verdicts.judge(snaps, self.world, absent, self.previous)
+            self.verdict = verdicts.judge(snaps, self.world, absent, self.previous, settled)
         running = {r: s for r, s in self.snaps.items() if r not in absent}
         blocked = any(s.blocked is not None for s in running.values())
         if any(r in absent for r in range(self.world)) and running:
@@ -253,6 +262,13 @@ class Watch:
             wait = LOOK_EVERY
         self.next_look = now + wait
         self._draw_line(running, now)
+
+    def _note_left(self, now: float) -> dict[int, str]:
+        """The ranks absent from the call now; when first seen so is kept in ``left_at``."""
+        absent = self.absent()
+        for rank in absent:
+            self.left_at.setdefault(rank, now)
+        return absent
 
     def waited(self, running: dict[int, Snapshot], now: float) -> float:
         """The longest a running rank has waited in the same collective, as the looks saw it."""
