@@ -35,6 +35,12 @@ from ..torchdist.recorder import ROOTED, Op, numel, op_text, p2p_apart, pairs, s
 from ..torchdist.waits import Snapshot
 from ..wire.errors import source_location
 
+#: Why a rank left a call, as ``absent`` says it: the two that leave having done their part, the
+#: ones after which a waking peer is no news (a rank that raised or died fails the call anyway).
+RETURNED = "returned from fn"
+FINISHED = "finished the cell"
+LEFT_DONE = frozenset({RETURNED, FINISHED})
+
 
 @dataclass
 class Verdict:
@@ -60,7 +66,9 @@ def judge(snaps: dict[int, Snapshot], world: int, absent: dict[int, str],
     ``settled``: the absent ranks that left long enough before these looks that a running rank
     still waiting cannot be waking from a collective they made their part of (None: all of them).
     Only a wait nothing numbers needs it: rank 0 returns from an all_reduce a moment before rank 1
-    wakes from it, and where no recorder counts what rank 0 issued, only that moment's end tells."""
+    wakes from it, and where no recorder counts what rank 0 issued, only that moment's end tells.
+    The watch settles at once a rank that left otherwise than :data:`LEFT_DONE` (raised, died,
+    idle): the call fails anyway, and at once."""
     running = {r: s for r, s in snaps.items() if r not in absent}
     return (_mismatch(snaps, running) or _bypassed(snaps, running, world)
             or _absent(snaps, running, world, absent, settled)
@@ -231,7 +239,7 @@ def _absent(snaps: dict[int, Snapshot], running: dict[int, Snapshot], world: int
     op = stuck[first]
     why = {absent[a] for a in missing}
     what = ""
-    if op is not None and op.seq is not None and why <= {"returned from fn"}:
+    if op is not None and op.seq is not None and why <= {RETURNED}:
         # ranch: "rank 1 returned from fn without joining all_reduce #3, which rank 0 waits in at ..."
         where = running[first].where
         at = f" at {_location(where)}" if where is not None else ""

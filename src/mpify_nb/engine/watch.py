@@ -45,10 +45,11 @@ LOOK_SOON = 0.2
 ANSWER_WITHIN = 1.0
 #: The live line appears once a rank has waited this long in a collective.
 LINE_AFTER = 5.0
-#: A rank that left the call counts as absent from a wait nothing numbers (gloo before torch 2.8;
-#: a wait seen by its frame alone) only in looks begun this long after the watch saw it leave: a
-#: peer wakes from the collective a moment after the rank that left returned from it, and on a
-#: loaded machine (CI's floor) that moment outlasted LOOK_LEFT. A real absence is told this late.
+#: A rank that left the call having done its part (returned from fn, finished the cell) counts as
+#: absent from a wait nothing numbers (gloo before torch 2.8; a wait seen by its frame alone) only
+#: in looks begun this long after the watch saw it leave: a peer wakes from the collective a moment
+#: after the rank that left returned from it, and on a loaded machine (CI's floor) that moment
+#: outlasted LOOK_LEFT. Such an absence is told this late; a rank that raised or died, at once.
 SETTLE = 2.0
 
 
@@ -240,7 +241,8 @@ class Watch:
         if not self.active:
             return
         absent = self._note_left(now)
-        settled = {r for r in absent if self.round_started - self.left_at[r] >= SETTLE}
+        settled = {r for r, why in absent.items()
+                   if why not in verdicts.LEFT_DONE or self.round_started - self.left_at[r] >= SETTLE}
         snaps = dict(self.snaps)
         kept = dict(self.kept)  # the caller's own rank may add to it meanwhile (ranch)
         for rank, snap in kept.items():

@@ -69,10 +69,10 @@ class WatchedCall:
 
     def _absent(self) -> dict[int, str]:
         """The ranks that left the call: their fn returned."""
-        gone = {r.rank: "returned from fn" for r in self.ranks.values()
+        gone = {r.rank: verdicts.RETURNED for r in self.ranks.values()
                 if r.done and r.rank not in self.outcome.failed_ranks or r.rank in self.watch.kept}
         if self.caller_rank is not None and self.own_returned:
-            gone[self.caller_rank] = "returned from fn"
+            gone[self.caller_rank] = verdicts.RETURNED
         return gone
 
     def _collective_failed(self, verdict: verdicts.Verdict) -> None:

@@ -15,7 +15,7 @@ import pickle
 import time
 
 from ..engine import checked
-from ..engine.verdict import Verdict
+from ..engine.verdict import FINISHED, Verdict
 from ..wire import payload
 from ..wire.errors import CollectiveError, RankError, RankExitedError, merge_rank_errors
 from ..wire.protocol import ABORT_GROUP, FAIL, INTERRUPT, NO_REQUEST
@@ -40,7 +40,7 @@ class SessionRecovery(SessionRanks):
                 if not m.alive:
                     gone[m.rank] = "died"
                 elif m.req != req:
-                    gone[m.rank] = ("raised" if m.answer is not None and m.answer[0] == FAIL else "finished the cell") \
+                    gone[m.rank] = ("raised" if m.answer is not None and m.answer[0] == FAIL else FINISHED) \
                         if m in members else "idle"
             return gone
 
