@@ -78,7 +78,7 @@ def new_notebook(cells: list[str]) -> NotebookNode:
     return nb
 
 
-class _StackTellingClient(NotebookClient):
+class StackTellingClient(NotebookClient):
     """A client that, when a cell times out, takes the Python stacks of every process of its
     kernel (the kernel, the template, the ranks, their children) before the kernel is shut
     down: a hang seen once in CI then says where each process waited."""
@@ -128,7 +128,7 @@ def execute_notebook(
     kernel_env = dict(os.environ if env is None else env)
     kernel_env[MARKER_VAR] = marker
     kernel_env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")  # quiets a debugger warning on stderr
-    client = _StackTellingClient(
+    client = StackTellingClient(
         nb,
         marker=marker,
         timeout=timeout,

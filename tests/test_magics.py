@@ -64,11 +64,11 @@ class Ran:
 class Kernel:
     """A real ipykernel, executing cells one at a time through nbclient."""
 
-    def __init__(self, cwd: Path, env: Optional[dict] = None, **client_options):
+    def __init__(self, cwd: Path, env: Optional[dict] = None, client_class: type = NotebookClient, **client_options):
         self.nb = nbformat.v4.new_notebook()
         self._replies: dict[int, dict] = {}
         client_options.setdefault("kernel_name", "python3")
-        self.client = NotebookClient(
+        self.client = client_class(
             self.nb, timeout=CELL_TIMEOUT, allow_errors=True,
             resources={"metadata": {"path": str(cwd)}},
             on_cell_executed=self._record, **client_options,
@@ -94,7 +94,13 @@ class Kernel:
                     failures.append(e)
             watcher = threading.Thread(target=target, daemon=True)
             watcher.start()
-        self.client.execute_cell(cell, index)
+        try:
+            self.client.execute_cell(cell, index)
+        except BaseException as error:
+            stacks = getattr(self.client, "stacks", "")  # nbutil's client: where each process was at a timeout
+            if stacks and hasattr(error, "add_note"):
+                error.add_note(stacks)
+            raise
         if watcher is not None:
             watcher.join(timeout=CELL_TIMEOUT)
         if failures:

@@ -135,8 +135,8 @@ class Kernel(MagicsKernel):
     def __init__(self, cwd: Path):
         self.marker = uuid.uuid4().hex
         env = dict(os.environ, **{nbutil.MARKER_VAR: self.marker, "PYDEVD_DISABLE_FILE_VALIDATION": "1"})
-        super().__init__(cwd, env=env, kernel_name=nbutil.KERNEL_NAME,
-                         kernel_manager_class=nbutil.VenvKernelManager)
+        super().__init__(cwd, env=env, client_class=nbutil.StackTellingClient, marker=self.marker,
+                         kernel_name=nbutil.KERNEL_NAME, kernel_manager_class=nbutil.VenvKernelManager)
 
     def fails(self, source: str, ename: str) -> Ran:
         ran = self.run(source)

@@ -2,7 +2,8 @@
 
 The caller's watch (engine/watch.py) looks at every rank of a call (torchdist/waits.py: a
 :class:`Snapshot` each) and asks :func:`judge`. Every rule is about what the ranks wait in,
-never about how long they have waited (time only decides when the watch looks)::
+never about how long they have waited (time only decides when the watch looks, and when a
+rank that returned is surely gone from a wait nothing numbers: ``settled``)::
 
     mismatch     two ranks hold the same collective number of a group (the recorder's), one
                  of them waiting in it, and the two cannot be one collective: another op,

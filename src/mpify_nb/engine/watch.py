@@ -1,7 +1,8 @@
 """The collective watch: a capability of every engine, for ``ranch`` and ``Session`` alike.
 
 While a call runs, the watch looks at its ranks now and then and asks engine/verdict.py whether
-the call can still finish. Time only decides when to look; what the looks say decides::
+the call can still finish. Time only decides when to look (and, for a wait nothing numbers, when a
+rank that returned is surely gone: ``SETTLE``); what the looks say decides::
 
     the use's loop (ranch's watch thread,                      each rank
     a Session's call thread)
