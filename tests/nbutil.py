@@ -92,6 +92,11 @@ class StackTellingClient(NotebookClient):
         self.stacks = process_stacks(self.marker)
         return await super()._async_handle_timeout(timeout, cell)
 
+    def note_stacks(self, error: BaseException) -> None:
+        """Add the stacks taken at a timeout, if any, to ``error`` (the one the timeout raised)."""
+        if self.stacks and hasattr(error, "add_note"):
+            error.add_note(self.stacks)
+
 
 def process_stacks(marker: str, each_timeout: float = 20.0) -> str:
     """The Python stacks (``py-spy dump``, every thread) of the live processes tagged ``marker``,
@@ -142,8 +147,7 @@ def execute_notebook(
         # The client owns its kernel manager, so execute() shuts the kernel down on the way out.
         client.execute(env=kernel_env)
     except BaseException as error:
-        if client.stacks and hasattr(error, "add_note"):
-            error.add_note(client.stacks)
+        client.note_stacks(error)
         kill_leftovers(marker)  # the cell's error is the news; don't let a leak hide it
         raise
     assert_no_leftovers(marker)

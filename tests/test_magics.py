@@ -97,9 +97,8 @@ class Kernel:
         try:
             self.client.execute_cell(cell, index)
         except BaseException as error:
-            stacks = getattr(self.client, "stacks", "")  # nbutil's client: where each process was at a timeout
-            if stacks and hasattr(error, "add_note"):
-                error.add_note(stacks)
+            if isinstance(self.client, nbutil.StackTellingClient):  # where each process was at a timeout
+                self.client.note_stacks(error)
             raise
         if watcher is not None:
             watcher.join(timeout=CELL_TIMEOUT)
