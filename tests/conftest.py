@@ -19,6 +19,11 @@ import pytest
 # check a call leaves no process or thread behind. Off by default here, and in the kernels tests
 # start (they inherit this environment); test_preload.py and test_libraries.py turn it on.
 os.environ.setdefault("MPIFY_NB_PRELOAD", "0")
+# The warm-up between cells (torch._dynamo imported by each kernel and its template, 1-2 CPU-s each,
+# whenever a kernel is idle for a second: 27% of the CPU time of the kernel-heavy modules) is what
+# test_warmup.py tests; elsewhere kernels start their template at import, as by default, and warm
+# nothing up. test_notebook.py's example notebook and test_warmup.py run with the default, "1".
+os.environ.setdefault("MPIFY_NB_PREWARM", "template")
 
 # nbutil sits next to this file; make it importable as a plain module from any test.
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -159,9 +159,13 @@ def run_cells(
     timeout: float = 120,
     allow_errors: bool = False,
     cwd: Union[str, Path, None] = None,
+    env: Optional[dict[str, str]] = None,
 ) -> list[NotebookNode]:
-    """Run ``cells`` (source strings) in order in a fresh kernel; return the executed cells."""
-    return execute_notebook(new_notebook(cells), timeout=timeout, allow_errors=allow_errors, cwd=cwd).cells
+    """Run ``cells`` (source strings) in order in a fresh kernel; return the executed cells. ``env``:
+    variables set in the kernel's environment (this process's, with them)."""
+    kernel_env = dict(os.environ, **env) if env else None
+    return execute_notebook(new_notebook(cells), timeout=timeout, allow_errors=allow_errors, cwd=cwd,
+                            env=kernel_env).cells
 
 
 def keep_executed_example(source: Union[str, Path], nb: NotebookNode) -> None:

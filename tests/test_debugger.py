@@ -257,7 +257,8 @@ def test_a_peer_waiting_on_a_stopped_rank_is_no_error_and_timeout_does_not_run(n
         # rank 0 waits in all_reduce for rank 1 meanwhile: past the collective watch's grace and
         # the call's 1 s limit, as at a pdb prompt
         time.sleep(2.5)
-        assert nb.dap("continue", threadId=threads[1])["success"]
+        went_on = nb.dap("continue", threadId=threads[1])
+        assert went_on["success"], went_on
         cell = nb.finish(cell)
         assert cell.status == "ok", cell
         assert cell.results == ["[rank 0] tensor([2.])\n[rank 1] tensor([2.])"]

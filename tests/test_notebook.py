@@ -45,8 +45,10 @@ def test_example_notebook_is_saved_without_outputs():
 
 
 def test_example_notebook_trains_on_two_ranks():
+    """The example notebook as a user runs it: with the warm-up between cells on (the default;
+    conftest.py starts the other tests' kernels without it)."""
     nb = nbformat.read(EXAMPLE, as_version=4)
-    nbutil.execute_notebook(nb, timeout=120, cwd=EXAMPLE.parent)
+    nbutil.execute_notebook(nb, timeout=120, cwd=EXAMPLE.parent, env=dict(os.environ, MPIFY_NB_PREWARM="1"))
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert not any(nbutil.errors(c) for c in code)
     text = "".join(nbutil.stream_text(c) for c in code)

@@ -16,7 +16,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 NO_HANG = 300
+#: conftest.py starts the tests' kernels with MPIFY_NB_PREWARM=template; these cases are about the default.
+DEFAULT_PREWARM = {"MPIFY_NB_PREWARM": "1"}
 
 SRC = str(Path(__file__).resolve().parent.parent / "src")
 
@@ -55,7 +59,7 @@ def test_in_a_kernel_the_first_ddp_call_imports_nothing_and_no_rank_imports_the_
         "print(json.dumps({'notebook': found[0][0], 'rank_born_with_it': found[1][1], "
         "'cuda': torch.cuda.is_initialized(), "
         "'ranks_hold': ranch(2, lambda: 'torch._dynamo' in sys.modules, caller_rank=None)}))",
-    ], timeout=300)
+    ], timeout=300, env=DEFAULT_PREWARM)
     assert nbutil.stream_text(cells[1]) == "True imported True\nTrue False\n"
     assert json.loads(nbutil.stream_text(cells[2])) == {"notebook": [], "rank_born_with_it": True, "cuda": False,
                                                          "ranks_hold": [False, False]}
@@ -73,7 +77,7 @@ def test_the_warmup_works_only_while_no_cell_runs(notebook):
         "print(template.wait_started(240))\ntime.sleep(3)  # the template is ready: only this cell holds it back\n"
         "print(repr(warmup.outcome), 'torch._dynamo' in sys.modules)",
         "print(warmup.wait(240), warmup.outcome, 'torch._dynamo' in sys.modules)",
-    ], timeout=300)
+    ], timeout=300, env=DEFAULT_PREWARM)
     assert nbutil.stream_text(cells[1]) == "True\n'' False\n"
     assert nbutil.stream_text(cells[2]) == "True imported True\n"
 
@@ -207,15 +211,33 @@ def test_what_another_thread_imported_while_the_warmup_waited_is_the_notebooks(t
     assert found == {"ours": ["warm_module"], "outcome": "imported"}
 
 
-def test_no_warmup_starts_with_prewarm_off(notebook):
+@pytest.mark.parametrize("prewarm, template_at_import", [("0", False), ("template", True), ("Template ", True)])
+def test_no_warmup_starts_with_prewarm_off_or_template_only(notebook, prewarm, template_at_import):
+    """MPIFY_NB_PREWARM=0: nothing starts at import; =template: the template does, and nothing is
+    imported between cells (nor in the template, which is asked only by the warm-up)."""
     import nbutil
 
     cells = notebook([
-        "import os\nos.environ['MPIFY_NB_PREWARM'] = '0'\nimport torch, mpify_nb",
-        "import time, threading\ntime.sleep(1)\nfrom mpify_nb.torchdist import warmup\n"
-        "print(repr(warmup.outcome), [t.name for t in threading.enumerate() if 'warm' in t.name])",
-    ])
-    assert nbutil.stream_text(cells[1]) == "'' []\n"
+        "import torch, mpify_nb",
+        "import sys, time, threading\ntime.sleep(2)\nfrom mpify_nb.torchdist import warmup\n"
+        "from mpify_nb.start import template\n"
+        "print(repr(warmup.outcome), [t.name for t in threading.enumerate() if 'warm' in t.name], "
+        "template.current_pid() is not None, 'torch._dynamo' in sys.modules)",
+        "print(mpify_nb.ranch(2, lambda: 'torch._dynamo' in sys.modules, caller_rank=None))",
+    ], env={"MPIFY_NB_PREWARM": prewarm})
+    assert nbutil.stream_text(cells[1]) == f"'' [] {template_at_import} False\n"
+    assert nbutil.stream_text(cells[2]) == "[False, False]\n"
+
+
+def test_a_prewarm_value_it_cannot_be_is_named_and_taken_as_the_default():
+    found = run_script("""
+        import json, warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            from mpify_nb.torchdist import warmup
+            print(json.dumps([warmup.prewarm_setting(), warmup.prewarm_setting(), [str(w.message) for w in caught]]))
+    """, MPIFY_NB_PREWARM="yes")
+    assert found == ["1", "1", ["MPIFY_NB_PREWARM='yes' is none of '1', 'template', '0': taken as '1' (the default)"]]
 
 
 def test_the_warmup_looks_at_the_modules_ahead_so_the_first_calls_check_looks_only_at_what_came_since(tmp_path):

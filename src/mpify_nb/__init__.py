@@ -28,13 +28,14 @@ import os
 import sys
 
 from .torchdist import compat as _compat
+from .torchdist import warmup as _warmup
 
 # A torch older than the floor fails here, naming both versions (read without importing torch).
 _compat.check_floor()
 
 # The template (below) first, before the rest of this package loads: it imports torch meanwhile, on
 # another core, and a fresh process's first call, which waits for it, comes ~60 ms sooner.
-if os.environ.get("MPIFY_NB_CHILD") != "1" and os.environ.get("MPIFY_NB_PREWARM", "1") != "0":
+if os.environ.get("MPIFY_NB_CHILD") != "1" and _warmup.prewarm_setting() != _warmup.PREWARM_OFF:
     from .start.placement import get_start_method as _start_method
 
     if _start_method() == "template":
@@ -158,10 +159,8 @@ def _warm_when_idle() -> None:
 # The template was started at the top, in the background, so the first call does not pay for
 # importing torch; in a kernel, between cells, what this process's first DDP needs.
 # Not in our own children (ranks and the template itself).
-if os.environ.get("MPIFY_NB_CHILD") != "1" and get_start_method() == "template" \
-        and os.environ.get("MPIFY_NB_PREWARM", "1") != "0":
+if get_start_method() == "template" and _warmup.enabled():
     from .start.template import wait_started as _wait_started
-    from .torchdist import warmup as _warmup
 
     _warmup.when_imported(_after_warmup)
     _warm_when_idle()

@@ -40,7 +40,9 @@ Safe where it runs:
   only where torch is built for the CPU alone (on a CUDA build autograd's first backward asks the
   CUDA driver for its devices), on tensors of its own, drawing no random number (the notebook's
   random streams are untouched);
-* ``MPIFY_NB_PREWARM=0`` turns it off, with the template's start at import.
+* ``MPIFY_NB_PREWARM=template`` turns it off and keeps the template's start at import (a machine
+  whose idle CPU is shared: a kernel and its template each pay 1-2 CPU-s for ``torch._dynamo``);
+  ``MPIFY_NB_PREWARM=0`` turns off both.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Callable, Optional
 
@@ -75,8 +78,30 @@ outcome = ""
 _IN_CHILD = os.environ.get("MPIFY_NB_CHILD") == "1"
 
 
+#: MPIFY_NB_PREWARM's values: what ``import mpify_nb`` starts ahead of the first call.
+PREWARM_ALL = "1"  # the template, and in a kernel the first DDP's imports between cells (the default)
+PREWARM_TEMPLATE = "template"  # the template only
+PREWARM_OFF = "0"  # nothing: the first call starts the template
+PREWARM_VALUES = (PREWARM_ALL, PREWARM_TEMPLATE, PREWARM_OFF)
+_warned_of: set = set()
+
+
+def prewarm_setting() -> str:
+    """MPIFY_NB_PREWARM, read now; a value it cannot be is named in a warning (once) and taken as
+    the default."""
+    value = os.environ.get("MPIFY_NB_PREWARM", PREWARM_ALL).strip().lower() or PREWARM_ALL
+    if value in PREWARM_VALUES:
+        return value
+    if value not in _warned_of:
+        _warned_of.add(value)
+        warnings.warn(f"MPIFY_NB_PREWARM={value!r} is none of {', '.join(map(repr, PREWARM_VALUES))}: "
+                      f"taken as {PREWARM_ALL!r} (the default)", stacklevel=2)
+    return PREWARM_ALL
+
+
 def enabled() -> bool:
-    return not _IN_CHILD and os.environ.get("MPIFY_NB_PREWARM", "1").strip() != "0"
+    """Does this process warm up between cells (MPIFY_NB_PREWARM=1, the default)?"""
+    return not _IN_CHILD and prewarm_setting() == PREWARM_ALL
 
 
 def start(after: Optional[Callable[[], object]] = None, modules: Sequence[str] = DDP_LAZY_IMPORTS,
