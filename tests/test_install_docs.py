@@ -87,15 +87,22 @@ def test_the_readme_says_what_the_project_is_before_its_two_commands():
 
 
 def test_the_readme_test_command_is_what_ci_runs():
+    """.ci/run installs what the README's `pip install` does (``readme_install``), with uv into the venv the
+    suite runs in, and has pip check it (a dry run of the same install), then runs the same steps."""
     suite = _bash_blocks(ROOT / "README.md")[1]
-    ci = (ROOT / ".ci" / "run").read_text()
+    ci = (ROOT / ".ci" / "run").read_text().replace("\\\n", " ")
     ci_lines = [line for line in ci.splitlines() if not line.lstrip().startswith("#")]
-    ci_install = next(line for line in ci_lines if "pip install" in line and "[test]" in line)
+    arguments = next(re.fullmatch(r"readme_install=\((.*)\)(\s+#.*)?", line.strip()) for line in ci_lines
+                     if line.startswith("readme_install="))
+    assert arguments, "no readme_install=(...) in .ci/run"
     readme_install = next(c for c in _commands(suite) if "pip install" in c)
     readme_reqs, readme_editables, _ = pip_install(readme_install)
-    ci_reqs, ci_editables, _ = pip_install(ci_install.split("||")[0].split("&&")[-1])
+    ci_reqs, ci_editables, _ = pip_install("pip install " + arguments.group(1))
     assert _torch_pin() in readme_reqs, "the README pins noxfile.py's TORCH"
-    assert set(readme_reqs) <= set(ci_reqs) and readme_editables == ci_editables, (readme_install, ci_install)
+    assert set(readme_reqs) <= set(ci_reqs) and readme_editables == ci_editables, (readme_install, arguments)
+    uses = [line for line in ci_lines if '"${readme_install[@]}"' in line]
+    assert any(".venv/bin/uv pip install" in line for line in uses), uses
+    assert any(".venv/bin/pip install -q --dry-run" in line for line in uses), uses
     for step in ("python3 -m venv .venv", '.venv/bin/python -c "import torchvision" 2>/dev/null || .venv/bin/pip '
                  "uninstall", ".venv/bin/python -m pytest -q"):
         assert step in suite.code, f"the README's test command lacks {step!r}"
