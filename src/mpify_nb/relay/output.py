@@ -334,7 +334,7 @@ class RankOutput:
         self._sink = None
         self._streams.new_call()  # the next call's output starts on lines of its own
 
-    def _take_partial(self, fd: int, where: tuple[int, int]) -> str:
+    def _take_partial(self, fd: int) -> str:
         """``fd``'s open line, taken (input()'s prompt). In Jupyter that is all of it: a part shown
         already (a rank slow between its prompt and its read: its ASK came after _PARTIAL_WAIT) is
         taken back from its live display line, which is emptied; the prompt shows it instead, as

@@ -338,7 +338,7 @@ class OutputRelay(RankOutput):
                 return ""
             self._partial_told.pop(fd, None)  # after its answer, its next prompt is told at once
             self._read(fd, (rank, 0))
-            return self._take_partial(fd, (rank, 0))
+            return self._take_partial(fd)
 
 
 __all__ = ["OutputRelay"]
