@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,7 +26,7 @@ DEFAULT_PREWARM = {"MPIFY_NB_PREWARM": "1"}
 SRC = str(Path(__file__).resolve().parent.parent / "src")
 
 
-def run_script(source: str, timeout: float = NO_HANG, **env: str) -> dict:
+def run_script(source: str, timeout: float = NO_HANG, **env: str) -> Any:
     environ = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
     environ.pop("MPIFY_NB_CHILD", None)
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(source)], env=environ, capture_output=True,
