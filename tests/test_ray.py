@@ -697,3 +697,57 @@ def test_idle_connections_to_the_link_listener_hold_no_thread_and_cannot_keep_a_
         listener.close()
         accepting.join(5.0)
     assert not accepting.is_alive()  # a closed listener ends it
+
+
+def test_a_connection_dropped_for_a_newer_one_in_the_same_round_does_not_end_the_listener(monkeypatch):
+    """CI (stop 48): when one round of the listener's select saw both a new connection and more
+    bytes from the oldest waiting one, the accept dropped the oldest (PENDING_MAX were waiting)
+    and the next event read it from `pending`: a KeyError ended the accepting thread, and the
+    real rank that connected next was never linked. Each round here is held 0.3 s, so that both
+    events are in it: the new connection first, the bytes second."""
+    import hmac
+    import queue
+    import secrets
+    import selectors
+    import socket
+    import struct
+
+    from mpify_nb.start.ray_ranks import link
+
+    class HeldSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
+        def select(self, timeout=None):
+            if not super().select(timeout):
+                return []
+            time.sleep(0.3)  # whatever else comes meanwhile is in this round too
+            return super().select(0)
+
+    monkeypatch.setattr(link, "PENDING_MAX", 1)
+    monkeypatch.setattr(link.selectors, "DefaultSelector", HeldSelector)
+    token = secrets.token_bytes(32)
+    links: queue.Queue = queue.Queue()
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = listener.getsockname()
+    accepting = threading.Thread(target=link.accept_links, daemon=True, args=(
+        listener, lambda t: hmac.compare_digest(t, token), lambda sock, t, rank, pid: links.put((sock, rank, pid))))
+    accepting.start()
+    oldest = socket.create_connection(address)
+    time.sleep(1.0)  # accepted: the one waiting for its hello
+    newer = socket.create_connection(address)
+    oldest.sendall(token[:20])  # ready in the same round, after the newer connection
+    real = linked = socket.socket()
+    try:
+        time.sleep(1.0)
+        assert accepting.is_alive()
+        real = socket.create_connection(address)
+        real.sendall(token + struct.pack("!II", 1, 4242))
+        linked, rank, pid = links.get(timeout=5.0)
+        assert (rank, pid) == (1, 4242)
+        oldest.settimeout(5.0)
+        with pytest.raises(ConnectionResetError):  # dropped for the newer one, its bytes unread
+            oldest.recv(1)
+    finally:
+        for sock in [oldest, newer, real, linked]:
+            sock.close()
+        listener.close()
+        accepting.join(5.0)
+    assert not accepting.is_alive()

@@ -79,7 +79,10 @@ def accept_links(listener: socket.socket, admit: Callable[[bytes], bool],
                     continue
                 sock = key.fileobj
                 assert isinstance(sock, socket.socket)
-                hello = _read_hello(sock, pending[sock][0])
+                waiting = pending.get(sock)
+                if waiting is None:
+                    continue  # dropped in this same round, for a newer connection
+                hello = _read_hello(sock, waiting[0])
                 if hello is None:
                     continue  # not all of it yet
                 pending.pop(sock)
