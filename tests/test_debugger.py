@@ -7,6 +7,7 @@ One kernel with 2 ranks (gloo) serves most tests, in order; each leaves no break
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -332,6 +333,44 @@ def test_the_stop_button_releases_stopped_ranks_and_keeps_the_session(nb):
     stops(nb, 2)
     assert nb.dap("continue", threadId=threads[0])["success"]
     assert nb.finish(cell).results == ["[rank 0] 2\n[rank 1] 4"]
+
+
+@pytest.mark.parametrize("late", [1.0, 4.0])
+def test_a_ranks_continued_that_comes_after_the_stopped_cell_ended_still_reaches_the_panel(nb, late):
+    """CI (stop 48): after the stop button, rank 1's continued left it just as the cell ended, on
+    a channel nobody read between cells: the panel showed rank 1 stopped until the next request.
+    Here rank 1's bridge holds its first continued back ``late`` s: read after the cell (1 s), or told
+    by the kernel once CONTINUED_WAIT is over (4 s), with no request from the frontend meanwhile."""
+    nb.ok("import mpify_nb.rank.debugger as late_dbg, time as late_time\n"
+          "late_forward = late_dbg._forward\n"
+          f"def late_continued(control, body, rank=rank, forward=late_forward, once=[1]):\n"
+          f"    if rank == 1 and b'\"continued\"' in body and once:\n"
+          f"        once.pop()\n"
+          f"        late_time.sleep({late})\n"
+          f"    forward(control, body)\n"
+          "late_dbg._forward = late_continued")
+    try:
+        code = "lc = rank + 1\nlc2 = lc * 2\nlc2"
+        nb.breakpoints(code, [2])
+        threads = rank_threads(nb)
+        cell = nb.start(code)
+        stops(nb, 2)
+        nb.drain_events()
+        nb.km.interrupt_kernel()
+        cell = nb.finish(cell)
+        assert cell.ename == "KeyboardInterrupt", cell
+        resumed = set()
+        while resumed != set(threads.values()):
+            resumed.add(nb.next_event("continued", timeout=10.0)["body"]["threadId"])
+        assert nb.dap("debugInfo")["body"]["stoppedThreads"] == []
+        cell = nb.start(code)  # the late continued, read now, does not hide the new stops
+        assert sorted(stops(nb, 2)) == sorted(threads.values())
+        assert nb.dap("debugInfo")["body"]["stoppedThreads"] != []
+        reply = nb.dap("continue", threadId=threads[0])
+        assert reply["success"], json.dumps(reply)
+        assert nb.finish(cell).results == ["[rank 0] 2\n[rank 1] 4"]
+    finally:
+        nb.ok("late_dbg._forward = late_forward")
 
 
 def test_a_rank_that_dies_while_stopped_exits_and_restart_debugs_again(nb):

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 
 from mpify_nb import Session, ranch
+from mpify_nb.engine import capabilities, members
 from mpify_nb.engine import core as engine
-from mpify_nb.engine import members
 from mpify_nb.wire import protocol
 
 PING = protocol.claim(b"y", "test_engine")  # to a rank
@@ -46,9 +46,9 @@ def echo_capability() -> Iterator[list]:
 
         e.on(PONG, on_pong)
 
-    engine.add_capability(install)
+    capabilities.add_capability(install)
     yield heard
-    engine.remove_capability(install)
+    capabilities.remove_capability(install)
 
 
 def test_claim_refuses_a_taken_kind():

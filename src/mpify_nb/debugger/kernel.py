@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from ..engine import comms, core
+from ..engine import capabilities, comms
 from .hub import Hub
 
 _ATTRIBUTE = "_mpify_nb_debug_hub"
@@ -43,7 +43,7 @@ def install(kernel: Any = None) -> Optional[Hub]:
     package = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "**")
     if isinstance(modules, list) and package not in modules:
         modules.append(package)
-    core.add_capability(hub.install_engine)
+    capabilities.add_capability(hub.install_engine)
     from ..session.session import _sessions  # Sessions made before: theirs too
 
     for session in list(_sessions):

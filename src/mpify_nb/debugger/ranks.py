@@ -4,9 +4,10 @@ frontend's setup replayed to each, before its first cell), detached, gone; the e
 ::
 
     Session's engine (engine.add_capability) ──> RankSide.install_engine: DEBUG frames, before_call,
-                                                 when_gone
+                                                 after_call, when_gone
     frontend attaches / a call starts / threads ──> attach(rank): initialize, attach, the cells'
                                                  files, breakpoints, configurationDone
+    a call ends ──> its ranks' continued read (the stop button let them go as it ended)
     a rank's event (stopped, continued, thread) ──> threads.py, its ids renumbered (ids.py)
     a rank dies or is buried ──> its threads continue (if stopped) and exit
 
@@ -25,9 +26,13 @@ from typing import Any, Callable
 from ..engine.core import Engine
 from ..engine.members import Member
 from ..wire import payload
+from ..wire.protocol import NO_REQUEST
 from .ids import FRAME, THREAD, VARIABLE, Ids
 from .links import ANSWER_TIMEOUT, ATTACH_TIMEOUT, Pending, RankLink, Waiter, untraced_thread
 from .threads import Threads
+
+#: After a call, how long a rank that ended it gets to say it left its breakpoint.
+CONTINUED_WAIT = 2.0
 
 
 class RankSide:
@@ -58,6 +63,7 @@ class RankSide:
         self._engines.add(engine)
         engine.on(DEBUG, lambda m, req, body, fds: self._from_rank(m, body, fds))
         engine.before_call(self._before_call)
+        engine.after_call(self._after_call)
         engine.when_gone(self._member_gone)
 
     def _from_rank(self, m: Member, body: Any, fds: list) -> None:
@@ -173,6 +179,25 @@ class RankSide:
                 why = self.attach(engine, m)
                 if why:  # the cell runs on, without the panel's breakpoints on that rank
                     print(f"[mpify_nb] the debugger could not attach to rank {m.rank}: {why}", file=sys.stderr)
+
+    def _after_call(self, engine: Engine, members: list) -> None:
+        """A call is over (on its thread): a rank that ended it holds no thread at a breakpoint,
+        but the panel may still show one stopped. The stop button (or a timeout) let it go, and
+        its continued event left the rank as the call ended, on a channel nobody reads between
+        calls: read it now, or say continued for it after CONTINUED_WAIT (else the panel showed
+        the rank stopped until the next request or cell)."""
+        links = [self._links.get(id(m)) for m in members if m.req == NO_REQUEST]
+        held = [link for link in links if link is not None and not link.gone and self.threads.stopped(link)]
+        if not held:
+            return
+        deadline = time.monotonic() + CONTINUED_WAIT
+        while any(self.threads.stopped(link) for link in held) and time.monotonic() < deadline:
+            engine.pump_idle(0.05)  # the owner's loop lock is this thread's: it reads here
+        late = [g for link in held for g in self.threads.stopped(link)]
+        if late:
+            self.threads.resume(late)
+        for link in held:
+            self.ids.forget(link, (FRAME, VARIABLE))  # its frames and variables are gone
 
     def detach_all(self, within: float = ANSWER_TIMEOUT) -> None:
         """The frontend turned its debugger off: ranks drop their breakpoints and run on."""

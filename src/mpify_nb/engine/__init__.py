@@ -1,7 +1,8 @@
 """The engine: the one owner of a set of live ranks, under both ``ranch`` and ``Session``.
 
-``core`` (``Engine``: start through the placer, channels, output, deaths, the one event loop;
-the registry of capabilities), ``members`` (``Member``: the engine's view of one live rank, how
+``core`` (``Engine``: start through the placer, channels, output, deaths, the one event loop),
+``capabilities`` (what a capability registers on every engine: frame handlers, hooks around a call
+and a rank's end), ``members`` (``Member``: the engine's view of one live rank, how
 it died), ``user_waits`` (ranks waiting for the user: at a stdin prompt, ``prompts``, or held at
 a breakpoint; a call's clock does not count it), the caller's half of each capability that
 touches running ranks (``prompts``: stdin; ``comms``: widgets; ``watch``: the collective watch,

@@ -36,12 +36,13 @@ registers (:meth:`Engine.on`) and in its ``on_death``/``on_wake``::
     +--------------------------------------------------------------------------------+
 
 A capability (widgets' comms, say) claims frame kinds (protocol.claim), registers its handlers
-on every engine (add_capability) and on every rank's control thread (rank/control.py: on), and
-sends from a rank with rank/control.py's to_caller: written once, for every rank of both uses.
+on every engine (capabilities.py: add_capability) and on every rank's control thread
+(rank/control.py: on), and sends from a rank with rank/control.py's to_caller: written once, for
+every rank of both uses.
 A capability that must hear ranks between calls too (the debugger: a frontend asks while no cell
 runs) reads their control channels from its own thread with pump_idle(), which yields to the
-owner's loop (loop_lock); it may act before each call (before_call) and when a rank is gone
-(when_gone).
+owner's loop (loop_lock); it may act before each call (before_call), after it (after_call) and
+when a rank is gone (when_gone).
 """
 
 from __future__ import annotations
@@ -62,42 +63,16 @@ from ..start import placement
 from ..wire import framing, payload
 from ..wire.protocol import ANSWER, ASK, NO_REQUEST, PEEK_STDIN, pack, unpack
 from . import watch as collective_watch
+from .capabilities import Capabilities
 from .members import Member
 from .user_waits import UserWaits
-
-#: handler(member, request id, body, fds) for one kind of frame from a rank; it owns ``fds``.
-Handler = Callable[[Any, int, Any, list], None]
-
-
-#: What every new engine runs first: capabilities that handle frames of their own (add_capability).
-_capabilities: list[Callable[[Engine], None]] = []
-
-
-def add_capability(install: Callable[[Engine], None]) -> None:
-    """Have ``install(engine)`` run on every engine made from now on, ranch's and a Session's:
-    it registers the capability's frame handlers there (``engine.on(kind, handler)``).
-
-    Example (a capability's module; its rank side registers with rank_control.on)::
-
-        COMM_MSG = protocol.claim(b"u", "comms")
-        engine.add_capability(lambda e: e.on(COMM_MSG, lambda m, req, body, fds: show(m.rank, body)))
-    """
-    if install not in _capabilities:
-        _capabilities.append(install)
-
-
-def remove_capability(install: Callable[[Engine], None]) -> None:
-    """Engines made from now on go without it."""
-    if install in _capabilities:
-        _capabilities.remove(install)
-
 
 #: How long a dead rank's burial waits to hear it was reaped (its template does it within milliseconds,
 #: unless it is in a long import).
 _REAPED_WITHIN = 0.5
 
 
-class Engine:
+class Engine(Capabilities):
     """Live ranks and their one event loop. ``pump_output``: relay the ranks' stdout/stderr
     in :meth:`pump` (a Session: written on the call's thread), else on the relay's own
     thread (ranch: the caller's own rank runs while ranks print)."""
@@ -110,9 +85,8 @@ class Engine:
         #: Held by the thread that runs this engine's loop for its owner (a Session's call, with
         #: the lock re-entered there); pump_idle() takes it only when nobody holds it.
         self.loop_lock = threading.RLock()
-        self._call_hooks: list[Callable[[Engine, list], None]] = []
-        self._gone_hooks: list[Callable[[Engine, Any], None]] = []
-        self.handlers: dict[bytes, Handler] = {ASK: self._on_ask}
+        super().__init__()
+        self.handlers[ASK] = self._on_ask
         self.on_death: Callable[[Any], None] = lambda m: None  # the rank's pidfd or channel says it ended
         self.on_wake: Callable[[bytes], None] = lambda data: None  # bytes written to the wake pipe
         self.selector = selectors.DefaultSelector()
@@ -124,28 +98,17 @@ class Engine:
         #: the collective watch (engine/watch.py): looks at a call's ranks, judges what they wait in
         self.watch = collective_watch.Watch(self)
         relay.on_partial = self._peek_stdin
-        for install in list(_capabilities):
-            install(self)
-
-    def on(self, kind: bytes, handler: Handler) -> None:
-        """Handle frames of ``kind`` from every rank with ``handler`` (one per kind)."""
-        if kind in self.handlers and self.handlers[kind] != handler:
-            raise ValueError(f"frames of kind {kind!r} have a handler already")
-        self.handlers[kind] = handler
-
-    def before_call(self, hook: Callable[[Engine, list], None]) -> None:
-        """Run ``hook(engine, members)`` on the owner's thread before each call's requests go
-        to ``members`` (the loop is the caller's then: the hook may pump_idle() for answers)."""
-        self._call_hooks.append(hook)
-
-    def when_gone(self, hook: Callable[[Engine, Any], None]) -> None:
-        """Run ``hook(engine, member)`` once when a rank has died or been buried."""
-        self._gone_hooks.append(hook)
+        self.install_capabilities()
 
     def starting_call(self, members: Sequence[Member]) -> None:
         """The owner starts a call on ``members``: nothing is paused yet; the hooks run."""
         self.user_waits.new_call()
         for hook in list(self._call_hooks):
+            hook(self, list(members))
+
+    def ended_call(self, members: Sequence[Member]) -> None:
+        """The owner's call on ``members`` is over: the after_call hooks run."""
+        for hook in list(self._end_hooks):
             hook(self, list(members))
 
     def gone(self, m: Member) -> None:

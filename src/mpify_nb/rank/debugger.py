@@ -245,8 +245,20 @@ def release(patience: float = 1.0) -> None:
     api = importlib.import_module("_pydevd_bundle.pydevd_api").PyDevdAPI()
     api.request_resume_thread("*")  # pydevd sends its "continued" to the kernel
     deadline = time.monotonic() + patience
-    while _held() and time.monotonic() < deadline:
+    # a held thread is marked running at once, but leaves pydevd's wait (and sends its
+    # continued) only when it next looks: an interrupt before that lands inside pydevd
+    while (_held() or _in_pydevd_wait()) and time.monotonic() < deadline:
         time.sleep(0.002)
+
+
+def _in_pydevd_wait() -> bool:
+    """Is a thread of this process inside pydevd's wait at a breakpoint (do_wait_suspend)?"""
+    for frame in sys._current_frames().values():
+        while frame is not None:
+            if frame.f_code.co_name == "do_wait_suspend" and "pydevd" in frame.f_code.co_filename:
+                return True
+            frame = frame.f_back
+    return False
 
 
 def rich(obj: Any) -> str:

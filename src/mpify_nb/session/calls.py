@@ -132,6 +132,7 @@ class SessionCalls(SessionRecovery):
                 if work is not None:
                     work.detach()  # before the ranks are free: the next call's prompts are its own
                 self._engine.watch.end()
+                self._engine.ended_call(members)  # capabilities: what the ranks sent as it ended
                 self._engine.user_waits.close_prompts()
                 with self._flag_lock:
                     self._current = NO_REQUEST
