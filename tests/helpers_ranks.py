@@ -156,6 +156,14 @@ def raise_on(target: int, directory: str, seconds: float) -> int:
     return rank()
 
 
+def exit_at_once_on(target: int, seconds: float) -> int:
+    """Rank ``target`` exits with code 3 as soon as it starts; every other rank sleeps ``seconds``."""
+    if rank() == target:
+        os._exit(3)
+    time.sleep(seconds)
+    return rank()
+
+
 def die_on(target: int, how: str, directory: str, seconds: float) -> int:
     """Rank ``target`` dies without answering (``how``: sigkill, segfault, exit3); the others sleep."""
     record(directory)

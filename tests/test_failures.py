@@ -151,6 +151,29 @@ def test_ddp_call_after_failed_rendezvous(scripts):
 
 # -- a rank dies ----------------------------------------------------------------------------
 
+def test_a_peer_that_dies_before_the_callers_rank_began_stops_it_before_its_code_runs(monkeypatch):
+    """CI (test_no_leaks_over_30_calls, 70 s instead of 6, now and then): rank 1 died the moment
+    it started, while the caller's own rank had not begun the user's code yet. The stop asked of
+    it then was dropped (nothing to stop), and the caller went on to run the function: a 60 s
+    sleep, the whole of it. Here the caller's rank begins 1 s late: the stop waits for it, and
+    the function never runs in the notebook."""
+    from mpify_nb.launcher import call
+
+    begin = call.waits.mark_groups_born
+
+    def late() -> None:
+        time.sleep(1.0)  # a loaded machine: the caller's thread starts its rank late
+        begin()
+
+    monkeypatch.setattr(call.waits, "mark_groups_born", late)
+    started = time.monotonic()
+    with pytest.raises(RankExitedError) as info:
+        mpify_nb.ranch(2, hr.exit_at_once_on, 1, 60)
+    assert time.monotonic() - started < NO_HANG
+    assert info.value.rank == 1 and info.value.exitcode == 3, info.value
+    assert_next_call_works()
+
+
 @pytest.mark.parametrize(
     "how, exitcode, words",
     [

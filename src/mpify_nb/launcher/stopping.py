@@ -103,6 +103,7 @@ class SafeStop:
         self._cond = threading.Condition()
         self._base: Optional[FrameType] = None  # the frame the user's code runs under
         self._inside = False
+        self._begun = False  # enter() was called: a request before it waits for it
         self._wanted: Optional[type] = None  # what to raise
         self._raised = False  # it was raised (as far as we know: see _swallowed())
         self._signal_out = False  # a SIGINT of ours is on its way to the main thread
@@ -116,9 +117,16 @@ class SafeStop:
         return self._inside
 
     def enter(self, base: FrameType) -> None:
-        """The thread starts the user's code, under ``base``: from now on it may be stopped."""
+        """The thread starts the user's code, under ``base``: from now on it may be stopped. A stop
+        requested before (a peer died as the call began) is raised here, and no user code runs."""
         with self._cond:
-            self._base, self._inside = base, True
+            self._begun = True
+            early = self._wanted
+            if early is None:
+                self._base, self._inside = base, True
+        if early is not None:
+            self._raised = True
+            raise early()
 
     def leave(self) -> None:
         """The thread left the user's code: nothing is raised into it any more."""
@@ -131,9 +139,14 @@ class SafeStop:
             thread.join()
 
     def request(self, exc_type: type) -> bool:
-        """Have ``exc_type`` raised in the thread at its next safe point (a first request wins).
-        False when the thread is not in the user's code (nothing to stop)."""
+        """Have ``exc_type`` raised in the thread at its next safe point (a first request wins);
+        before the user's code began, as it begins (enter). False once it has left it (nothing
+        to stop)."""
         with self._cond:
+            if not self._begun:
+                if self._wanted is None:
+                    self._wanted = exc_type
+                return True
             if not self._inside:
                 return False
             if self._wanted is None:
