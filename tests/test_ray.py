@@ -685,10 +685,11 @@ def test_idle_connections_to_the_link_listener_hold_no_thread_and_cannot_keep_a_
         assert threading.active_count() <= before + 2  # the accepting thread (and the link's, ending)
         wrong.settimeout(5.0)
         assert wrong.recv(1) == b""  # refused at once
-        # every idle connection is closed within HELLO_TIMEOUT (PENDING_MAX at most held meanwhile)
+        # every idle connection is closed within HELLO_TIMEOUT (PENDING_MAX at most held meanwhile);
+        # one dropped with its half hello unread is reset rather than closed
         for sock in idle:
             sock.settimeout(5.0)
-            assert sock.recv(1) == b""
+            assert _closed_by_peer(sock)
         assert links.empty()
         assert threading.active_count() <= before + 1
     finally:
@@ -697,6 +698,14 @@ def test_idle_connections_to_the_link_listener_hold_no_thread_and_cannot_keep_a_
         listener.close()
         accepting.join(5.0)
     assert not accepting.is_alive()  # a closed listener ends it
+
+
+def _closed_by_peer(sock) -> bool:
+    """The other end closed ``sock``: end of file, or a reset (it closed with our bytes unread)."""
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
 
 
 def test_a_connection_dropped_for_a_newer_one_in_the_same_round_does_not_end_the_listener(monkeypatch):
@@ -743,8 +752,7 @@ def test_a_connection_dropped_for_a_newer_one_in_the_same_round_does_not_end_the
         linked, rank, pid = links.get(timeout=5.0)
         assert (rank, pid) == (1, 4242)
         oldest.settimeout(5.0)
-        with pytest.raises(ConnectionResetError):  # dropped for the newer one, its bytes unread
-            oldest.recv(1)
+        assert _closed_by_peer(oldest)  # dropped for the newer one
     finally:
         for sock in [oldest, newer, real, linked]:
             sock.close()
