@@ -20,7 +20,7 @@ pytest.importorskip("debugpy")
 pytest.importorskip("jupyter_client")
 
 import nbutil  # noqa: E402
-from helpers_debugger import DebugFrontend, LabPanel  # noqa: E402
+from helpers_debugger import DAP_TIMEOUT, DebugFrontend, LabPanel  # noqa: E402
 from mpify_nb.debugger.ids import BASE  # noqa: E402
 from versions import needs_gloo_recorder  # noqa: E402
 
@@ -312,8 +312,10 @@ def _a_mismatch_waits_for_a_stopped_rank(nb, code):
     assert nb.ok("t = torch.ones(1)\ndist.all_reduce(t)\nt").results == ["[rank 0] tensor([2.])\n[rank 1] tensor([2.])"]
 
 
-def test_the_stop_button_releases_stopped_ranks_and_keeps_the_session(nb):
-    code = "sb = rank + 1\nsb2 = sb * 2\nsb2"
+def stop_button_while_both_stop(nb: DebugFrontend, code: str, continued_within: float = DAP_TIMEOUT) -> dict[int, int]:
+    """Run ``code`` (a breakpoint set at its line 2) until both ranks stop, press the stop button:
+    the cell ends with KeyboardInterrupt and each rank's thread is said to continue within
+    ``continued_within`` s, with no request from the frontend meanwhile. {rank: thread id}."""
     nb.breakpoints(code, [2])
     threads = rank_threads(nb)
     cell = nb.start(code)
@@ -324,9 +326,14 @@ def test_the_stop_button_releases_stopped_ranks_and_keeps_the_session(nb):
     assert cell.ename == "KeyboardInterrupt", cell
     resumed = set()
     while resumed != set(threads.values()):
-        body = nb.next_event("continued")["body"]
-        resumed.add(body["threadId"])
+        resumed.add(nb.next_event("continued", timeout=continued_within)["body"]["threadId"])
     assert nb.dap("debugInfo")["body"]["stoppedThreads"] == []
+    return threads
+
+
+def test_the_stop_button_releases_stopped_ranks_and_keeps_the_session(nb):
+    code = "sb = rank + 1\nsb2 = sb * 2\nsb2"
+    threads = stop_button_while_both_stop(nb, code)
     assert nb.ok("sb").results == ["[rank 0] 1\n[rank 1] 2"]
     # the breakpoint still holds
     cell = nb.start(code)
@@ -343,26 +350,15 @@ def test_a_ranks_continued_that_comes_after_the_stopped_cell_ended_still_reaches
     by the kernel once CONTINUED_WAIT is over (4 s), with no request from the frontend meanwhile."""
     nb.ok("import mpify_nb.rank.debugger as late_dbg, time as late_time\n"
           "late_forward = late_dbg._forward\n"
-          f"def late_continued(control, body, rank=rank, forward=late_forward, once=[1]):\n"
-          f"    if rank == 1 and b'\"continued\"' in body and once:\n"
-          f"        once.pop()\n"
+          "def late_continued(control, body, rank=rank, forward=late_forward, once=[1]):\n"
+          "    if rank == 1 and b'\"continued\"' in body and once:\n"
+          "        once.pop()\n"
           f"        late_time.sleep({late})\n"
-          f"    forward(control, body)\n"
+          "    forward(control, body)\n"
           "late_dbg._forward = late_continued")
     try:
         code = "lc = rank + 1\nlc2 = lc * 2\nlc2"
-        nb.breakpoints(code, [2])
-        threads = rank_threads(nb)
-        cell = nb.start(code)
-        stops(nb, 2)
-        nb.drain_events()
-        nb.km.interrupt_kernel()
-        cell = nb.finish(cell)
-        assert cell.ename == "KeyboardInterrupt", cell
-        resumed = set()
-        while resumed != set(threads.values()):
-            resumed.add(nb.next_event("continued", timeout=10.0)["body"]["threadId"])
-        assert nb.dap("debugInfo")["body"]["stoppedThreads"] == []
+        threads = stop_button_while_both_stop(nb, code, continued_within=10.0)
         cell = nb.start(code)  # the late continued, read now, does not hide the new stops
         assert sorted(stops(nb, 2)) == sorted(threads.values())
         assert nb.dap("debugInfo")["body"]["stoppedThreads"] != []
