@@ -759,3 +759,49 @@ def test_a_connection_dropped_for_a_newer_one_in_the_same_round_does_not_end_the
         listener.close()
         accepting.join(5.0)
     assert not accepting.is_alive()
+
+
+def test_a_connection_whose_hello_check_fails_is_dropped_and_the_listener_goes_on(capfd):
+    """Whatever goes wrong with one connection (here the token check itself raises, once) costs
+    that connection only: the accepting thread, which every later rank of the call needs, goes on."""
+    import hmac
+    import queue
+    import secrets
+    import socket
+    import struct
+
+    from mpify_nb.start.ray_ranks import link
+
+    token = secrets.token_bytes(32)
+    links: queue.Queue = queue.Queue()
+    failures = [RuntimeError("the check broke")]
+
+    def admit(t: bytes) -> bool:
+        if failures:
+            raise failures.pop()
+        return hmac.compare_digest(t, token)
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = listener.getsockname()
+    accepting = threading.Thread(target=link.accept_links, daemon=True, args=(
+        listener, admit, lambda sock, t, rank, pid: links.put((sock, rank, pid))))
+    accepting.start()
+    first = socket.create_connection(address)
+    real = linked = socket.socket()
+    try:
+        first.sendall(token + struct.pack("!II", 0, 4241))
+        first.settimeout(5.0)
+        assert _closed_by_peer(first)  # the check raised: dropped
+        real = socket.create_connection(address)
+        real.sendall(token + struct.pack("!II", 1, 4242))
+        linked, rank, pid = links.get(timeout=5.0)
+        assert (rank, pid) == (1, 4242)
+        assert accepting.is_alive()
+    finally:
+        for sock in [first, real, linked]:
+            sock.close()
+        listener.close()
+        accepting.join(5.0)
+    assert not accepting.is_alive()
+    said = capfd.readouterr().err
+    assert "a connection to the ranks' link listener was dropped: RuntimeError: the check broke" in said, said

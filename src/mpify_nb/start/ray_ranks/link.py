@@ -10,6 +10,7 @@ import os
 import selectors
 import socket
 import struct
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -79,26 +80,38 @@ def accept_links(listener: socket.socket, admit: Callable[[bytes], bool],
                     continue
                 sock = key.fileobj
                 assert isinstance(sock, socket.socket)
-                waiting = pending.get(sock)
-                if waiting is None:
-                    continue  # dropped in this same round, for a newer connection
-                hello = _read_hello(sock, waiting[0])
-                if hello is None:
-                    continue  # not all of it yet
-                pending.pop(sock)
-                selector.unregister(sock)
-                if not hello or not admit(bytes(hello[:32])):
-                    sock.close()
-                    continue
-                sock.setblocking(True)
-                no_delay(sock)
-                rank, pid = struct.unpack("!II", hello[32:])
-                threading.Thread(target=on_link, args=(sock, bytes(hello[:32]), rank, pid),
-                                 name="mpify_nb-ray-link", daemon=True).start()
+                try:
+                    _take_hello(sock, pending, selector, admit, on_link)
+                except Exception as e:  # one connection's trouble must not end the listener (every later rank's)
+                    print(f"mpify_nb: a connection to the ranks' link listener was dropped: {type(e).__name__}: {e}",
+                          file=sys.__stderr__, flush=True)
+                    drop(sock)
     finally:
         for sock in list(pending):
             drop(sock)
         selector.close()
+
+
+def _take_hello(sock: socket.socket, pending: dict[socket.socket, tuple[bytearray, float]],
+                selector: selectors.BaseSelector, admit: Callable[[bytes], bool],
+                on_link: Callable[[socket.socket, bytes, int, int], None]) -> None:
+    """Read what ``sock`` sent of its hello; once it is whole, admitted or closed."""
+    waiting = pending.get(sock)
+    if waiting is None:
+        return  # dropped in this same round, for a newer connection
+    hello = _read_hello(sock, waiting[0])
+    if hello is None:
+        return  # not all of it yet
+    pending.pop(sock)
+    selector.unregister(sock)
+    if not hello or not admit(bytes(hello[:32])):
+        sock.close()
+        return
+    sock.setblocking(True)
+    no_delay(sock)
+    rank, pid = struct.unpack("!II", hello[32:])
+    threading.Thread(target=on_link, args=(sock, bytes(hello[:32]), rank, pid),
+                     name="mpify_nb-ray-link", daemon=True).start()
 
 
 def _accept(listener: socket.socket, selector: selectors.BaseSelector,
