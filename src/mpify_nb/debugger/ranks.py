@@ -193,10 +193,9 @@ class RankSide:
         deadline = time.monotonic() + CONTINUED_WAIT
         while any(self.threads.stopped(link) for link in held) and time.monotonic() < deadline:
             engine.pump_idle(0.05)  # the owner's loop lock is this thread's: it reads here
-        late = [g for link in held for g in self.threads.stopped(link)]
-        if late:
-            self.threads.resume(late)
-        for link in held:
+        late = [link for link in held if self.threads.stopped(link)]  # (a continued read did the rest)
+        self.threads.resume([g for link in late for g in self.threads.stopped(link)])
+        for link in late:
             self.ids.forget(link, (FRAME, VARIABLE))  # its frames and variables are gone
 
     def detach_all(self, within: float = ANSWER_TIMEOUT) -> None:

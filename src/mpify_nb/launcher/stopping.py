@@ -125,7 +125,6 @@ class SafeStop:
             if early is None:
                 self._base, self._inside = base, True
         if early is not None:
-            self._raised = True
             raise early()
 
     def leave(self) -> None:
